@@ -1,0 +1,93 @@
+"""Requests -> device batches: right-padded prompts in length buckets, cache
+sizing with an up-front capacity check, and per-request PRNG keys.
+
+Keys are derived from the request id, not the batch slot, so a request's
+sampled output does not depend on which other requests share its batch, on
+the batch size, or (later) on how the batch is sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.cache import check_capacity, round_up
+from specjax.models.config import ModelConfig
+
+# Purposes of keys derived from a request key (fold_in constants). One purpose,
+# one stream: no key is used for two things.
+PREFILL_SAMPLE = 0
+DECODE_STEP = 1
+DRAFT = 2
+ACCEPT = 3
+
+SLOT_MULTIPLE = 64
+
+
+def prompt_bucket(length: int, minimum: int = 32) -> int:
+  """Prompt lengths are padded to powers of two (>= minimum): every distinct
+  padded length compiles a new prefill."""
+  b = minimum
+  while b < length:
+    b *= 2
+  return b
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
+                bucket: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pad token lists to one (B, T) array; returns (tokens, lengths)."""
+  if not prompts:
+    raise ValueError("no prompts given")
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  if lengths.min() < 1:
+    raise ValueError("every prompt needs at least one token")
+  width = bucket or prompt_bucket(int(lengths.max()))
+  if width < lengths.max():
+    raise ValueError(f"bucket {width} is shorter than the longest prompt ({lengths.max()})")
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = np.asarray(p, np.int32)
+  return tokens, lengths
+
+
+def cache_size(cfg: ModelConfig, prompt_width: int, max_prompt_len: int,
+               max_new_tokens: int, block: int, requested: Optional[int] = None) -> int:
+  """Slots to allocate: the padded prompt and prompt + new tokens + one
+  forward block must fit; never beyond the model's context length."""
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  limit = cfg.max_seq_len if requested is None else int(requested)
+  check_capacity(limit, max_prompt_len, max_new_tokens, block)
+  need = max(prompt_width, max_prompt_len + max_new_tokens + block)
+  return min(round_up(need, SLOT_MULTIPLE), max(limit, prompt_width))
+
+
+def request_keys(key: jax.Array, request_ids: jax.Array) -> jax.Array:
+  """(B,) keys, one per request id."""
+  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, request_ids)
+
+
+def purpose_keys(keys: jax.Array, purpose: int, step=None) -> jax.Array:
+  """Per-row keys for one purpose (and step): fold_in(fold_in(k, purpose), step)."""
+  keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, purpose)
+  if step is not None:
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+  return keys
+
+
+def as_key(seed_or_key) -> jax.Array:
+  if isinstance(seed_or_key, (int, np.integer)):
+    return jax.random.key(int(seed_or_key))
+  return seed_or_key
+
+
+def request_ids_for(batch_size: int, request_ids=None) -> jnp.ndarray:
+  if request_ids is None:
+    return jnp.arange(batch_size, dtype=jnp.int32)
+  ids = jnp.asarray(request_ids, jnp.int32)
+  if ids.shape != (batch_size,):
+    raise ValueError(f"request_ids must have shape ({batch_size},), got {ids.shape}")
+  return ids

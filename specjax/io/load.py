@@ -1,0 +1,48 @@
+"""One entry point for loading a target model by name, GGUF path or HF directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from specjax.io import gguf as gguf_io
+from specjax.io import tokenizer as tokenizer_lib
+from specjax.models.config import ModelConfig
+
+
+@dataclasses.dataclass
+class Model:
+  """A loaded model: params pytree, static config, tokenizer (may be None)."""
+
+  params: dict
+  cfg: ModelConfig
+  tokenizer: Optional[tokenizer_lib.Tokenizer]
+  source: str
+
+
+def load_model(name_or_path: str, dtype: Optional[str] = None,
+               tokenizer_from: Optional[str] = None) -> Model:
+  """Load a model offline.
+
+  Args:
+    name_or_path: a known model name ('smollm2-135m'), a .gguf file, or an
+      HF-format directory (config.json + safetensors).
+    dtype: 'float32' or 'bfloat16' (default: float32).
+    tokenizer_from: model name or GGUF path to take the tokenizer from when
+      the weights come from an HF directory (specjax reads tokenizers from GGUF
+      metadata only).
+  """
+  dtype = dtype or "float32"
+  if os.path.isdir(name_or_path):
+    from specjax.io import hf  # pylint: disable=import-outside-toplevel
+
+    params, cfg = hf.load_hf(name_or_path, dtype=dtype)
+    tok = tokenizer_lib.load_tokenizer(tokenizer_from) if tokenizer_from else None
+    return Model(params, cfg, tok, name_or_path)
+  path = gguf_io.resolve_model_path(name_or_path)
+  reader = gguf_io.open_gguf(path)
+  cfg = gguf_io.read_config(reader, path).replace(dtype=dtype)
+  tok = tokenizer_lib.tokenizer_from_gguf(reader, path)
+  params = gguf_io.load_params(reader, cfg, path)
+  return Model(params, cfg, tok, path)
