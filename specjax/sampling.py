@@ -61,6 +61,25 @@ def probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
   return jax.nn.softmax(logits, axis=-1)
 
 
+def inverse_cdf(p: jax.Array, u: jax.Array) -> jax.Array:
+  """Index drawn from each row of p (..., V) by the uniforms u (...,) in [0, 1).
+
+  Returns the number of CDF entries <= u * total, i.e. the smallest i with
+  CDF(i) > u * total. Scaling u by the row's total (instead of dividing p by
+  it) lets unnormalised rows, such as the residual max(0, p - q) of
+  speculative sampling, be drawn from without a division. Exposed so that a
+  float64 NumPy transcription can reproduce a draw from its uniform
+  (`specjax.analysis.exactness.reference_inverse_cdf`).
+  """
+  cdf = jnp.cumsum(p, axis=-1)
+  total = cdf[..., -1:]
+  idx = jnp.sum(cdf <= u[..., None] * total, axis=-1)
+  # Guard against float round-off at the top end: never return an index past
+  # the last token with positive mass.
+  last = p.shape[-1] - 1 - jnp.argmax(jnp.flip(p > 0, axis=-1), axis=-1)
+  return jnp.minimum(idx, last).astype(jnp.int32)
+
+
 def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
   """Draw one index per row of p (..., V) with inverse-CDF sampling.
 
@@ -69,13 +88,7 @@ def sample_from_probs(key: jax.Array, p: jax.Array) -> jax.Array:
   probabilities, are sampled by the same code.
   """
   u = jax.random.uniform(key, p.shape[:-1] + (1,), dtype=jnp.float32)
-  cdf = jnp.cumsum(p, axis=-1)
-  total = cdf[..., -1:]
-  idx = jnp.sum(cdf <= u * total, axis=-1)
-  # Guard against float round-off at the top end: never return an index past
-  # the last token with positive mass.
-  last = p.shape[-1] - 1 - jnp.argmax(jnp.flip(p > 0, axis=-1), axis=-1)
-  return jnp.minimum(idx, last).astype(jnp.int32)
+  return inverse_cdf(p, u[..., 0])
 
 
 def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig) -> jax.Array:

@@ -1,0 +1,1 @@
+"""Theory, distribution distances and statistical tests for speculative decoding."""
