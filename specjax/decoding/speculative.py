@@ -1,0 +1,267 @@
+"""Speculative decoding: draft -> verify in ONE target forward -> accept -> commit.
+
+Leviathan et al. 2023 (arXiv:2211.17192), Chen et al. 2023 (arXiv:2302.01318).
+Each round, every active row:
+
+1. asks the drafter for up to K guesses x_1..x_K with the distributions
+   q_1..q_K they were drawn from;
+2. feeds [last, x_1, ..., x_K] to the target in one forward at the row's own
+   cache offset (K + 1 tokens: the newest committed token, not yet in the
+   cache, then the guesses), giving p_1..p_{K+1};
+3. applies the acceptance rule (`specjax.verify`): keeps n guesses and draws
+   one more token y (residual at the first rejection, or the bonus);
+4. commits x_1..x_n, y to the row's history, cut at EOS and at the row's token
+   limit; the target cache keeps exactly the entries of the committed prefix
+   by setting its fill level (rejected slots become stale, nothing is copied);
+   the drafter is brought to the committed state.
+
+Everything runs in one `lax.while_loop` on device; rows accept different
+numbers of tokens per round and finish independently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Optional, Sequence
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax import verify
+from specjax.decoding import autoregressive as ar
+from specjax.decoding import batch as batch_lib
+from specjax.drafters.base import Context, Drafter, Target, VerifyOutput
+from specjax.models import cache as cache_lib
+from specjax.models import transformer
+from specjax.models.config import ModelConfig
+
+RULES = ("exact", "typical")
+
+
+@flax.struct.dataclass
+class Metrics:
+  """Per-row counters; cut tokens (past EOS / the limit) count in none."""
+
+  rounds: jax.Array  # (B,) target decode forwards while the row was active
+  emitted: jax.Array  # (B,) tokens emitted by verify rounds (prefill's first excluded)
+  proposed: jax.Array  # (B,) guesses evaluated, up to and including the first rejection
+  accepted: jax.Array  # (B,) guesses accepted
+  accept_hist: jax.Array  # (B, K + 1) rounds by number of accepted guesses
+  reached: jax.Array  # (B, K) rounds in which guess i was evaluated
+  kept: jax.Array  # (B, K) rounds in which guess i was accepted
+
+
+@flax.struct.dataclass
+class SpecState:
+  """Loop carry of speculative decoding."""
+
+  round: jax.Array  # () int32
+  cache: cache_lib.KVCache  # target cache: holds history[:length - 1]
+  drafter: Any
+  keys: jax.Array  # (B,) per-request keys
+  history: jax.Array  # (B, H) prompt + emitted tokens
+  length: jax.Array  # (B,) committed tokens
+  prompt_len: jax.Array  # (B,)
+  num_tokens: jax.Array  # (B,) emitted tokens (first one from prefill)
+  limit: jax.Array  # (B,)
+  done: jax.Array  # (B,)
+  metrics: Metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """Static settings of a speculative run."""
+
+  sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY  # the target's p
+  rule: str = "exact"  # "exact" (chain rejection sampling / greedy) or "typical" (lossy)
+
+  def __post_init__(self):
+    if self.rule not in RULES:
+      raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+
+  @property
+  def lossy(self) -> bool:
+    return self.rule in verify.LOSSY_RULES
+
+
+def _write_block(history, length, block, n_emit):
+  """history[b, length[b] + j] = block[b, j] for j < n_emit[b]."""
+  b, w = block.shape
+  cols = length[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
+  cols = jnp.where(jnp.arange(w)[None] < n_emit[:, None], cols, history.shape[1])
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, w))
+  return history.at[rows, cols].set(block, mode="drop")
+
+
+def _cut(block, n_block, remaining, eos_id):
+  """Tokens of a block kept after EOS / the token limit: (B,) counts."""
+  w = block.shape[1]
+  j = jnp.arange(w)[None]
+  is_eos = (block == eos_id) & (j < n_block[:, None])
+  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, w)
+  return jnp.minimum(jnp.minimum(n_block, first_eos), remaining)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "num_slots", "spec",
+                                             "max_new_tokens"))
+def prefill(params, cfg: ModelConfig, drafter: Drafter, draft_params, keys, prompt_tokens,
+            prompt_lengths, limit, *, num_slots: int, spec: SpecConfig, max_new_tokens: int):
+  """Target prefill + first token, drafter init. Returns the initial SpecState."""
+  b, t = prompt_tokens.shape
+  base = ar.prefill(params, cfg, keys, prompt_tokens, prompt_lengths, limit,
+                    num_slots=num_slots, sampling=spec.sampling, max_new_tokens=max_new_tokens)
+  history = jnp.full((b, num_slots), cfg.pad_id, jnp.int32)
+  history = history.at[:, :t].set(prompt_tokens)
+  history = history.at[jnp.arange(b), prompt_lengths].set(base.last)
+  dstate = drafter.init(draft_params, Target(params, cfg), prompt_tokens, prompt_lengths,
+                        num_slots)
+  k = drafter.k
+  zeros = jnp.zeros((b,), jnp.int32)
+  metrics = Metrics(rounds=zeros, emitted=zeros, proposed=zeros, accepted=zeros,
+                    accept_hist=jnp.zeros((b, k + 1), jnp.int32),
+                    reached=jnp.zeros((b, k), jnp.int32), kept=jnp.zeros((b, k), jnp.int32))
+  return SpecState(round=jnp.zeros((), jnp.int32), cache=base.cache, drafter=dstate,
+                   keys=keys, history=history, length=prompt_lengths + 1,
+                   prompt_len=prompt_lengths, num_tokens=base.num_tokens, limit=limit,
+                   done=base.done, metrics=metrics)
+
+
+def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: SpecConfig,
+               state: SpecState) -> SpecState:
+  """One draft-verify-accept-commit round for every active row."""
+  k = drafter.k
+  active = ~state.done
+  ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
+                active=active)
+  draft_keys = batch_lib.purpose_keys(state.keys, batch_lib.DRAFT, state.round)
+  accept_keys = batch_lib.purpose_keys(state.keys, batch_lib.ACCEPT, state.round)
+  target = Target(params, cfg)
+  proposal, dstate, cache = drafter.propose(draft_params, target, state.drafter, ctx,
+                                            state.cache, draft_keys)
+  # Whatever a cache-sharing drafter wrote sits at slots >= length - 1, all of
+  # which this forward rewrites (it writes length - 1 .. length - 1 + K).
+  cache = cache.with_length(state.length - 1)
+  last = jnp.take_along_axis(state.history, (state.length - 1)[:, None], axis=1)
+  fed = jnp.concatenate([last, proposal.tokens], axis=1)  # (B, K + 1)
+  logits, hidden, cache = transformer.forward(params, cfg, fed,
+                                              transformer.chain_positions(cache, k + 1), cache,
+                                              active=active)
+  num_proposed = jnp.where(active, proposal.num_proposed, 0)
+  if spec.rule == "typical":
+    p = sampling_lib.probs(logits, spec.sampling)
+    n_acc, nxt = verify.typical_accept(proposal.tokens, p, num_proposed)
+  elif spec.sampling.greedy:
+    n_acc, nxt = verify.greedy_accept(proposal.tokens, logits, num_proposed)
+  else:
+    p = sampling_lib.probs(logits, spec.sampling)
+    n_acc, nxt = verify.chain_accept(accept_keys, proposal.tokens, proposal.q, p, num_proposed)
+  # The emitted block: accepted guesses then the next token, cut at EOS / limit.
+  j = jnp.arange(k + 1)[None]
+  block = jnp.where(j < n_acc[:, None], jnp.pad(proposal.tokens, ((0, 0), (0, 1))),
+                    nxt[:, None])
+  block = jnp.where(j <= n_acc[:, None], block, cfg.pad_id)
+  n_emit = _cut(block, n_acc + 1, state.limit - state.num_tokens, cfg.eos_id)
+  n_emit = jnp.where(active, n_emit, 0)
+  history = _write_block(state.history, state.length, block, n_emit)
+  length = state.length + n_emit
+  num_tokens = state.num_tokens + n_emit
+  hit_eos = jnp.any((block == cfg.eos_id) & (j < n_emit[:, None]), axis=1)
+  done = state.done | (active & (hit_eos | (num_tokens >= state.limit)))
+  # The target cache now holds history[:length - 1] on rows that continue.
+  cache = cache.with_length(jnp.where(active, length - 1, state.cache.length))
+  ctx_after = Context(history=history, length=length, prompt_len=state.prompt_len,
+                      active=active)
+  dstate = drafter.commit(draft_params, dstate, ctx_after,
+                          VerifyOutput(hidden=hidden, num_accepted=jnp.where(active, n_acc, 0)))
+
+  # Metrics (only what was emitted counts).
+  m = state.metrics
+  kept_guesses = jnp.minimum(n_acc, n_emit)
+  evaluated = jnp.minimum(jnp.minimum(n_acc + 1, num_proposed), n_emit)
+  act = active.astype(jnp.int32)
+  pos = jnp.arange(k)[None]
+  metrics = Metrics(
+      rounds=m.rounds + act,
+      emitted=m.emitted + n_emit,
+      proposed=m.proposed + evaluated,
+      accepted=m.accepted + kept_guesses,
+      accept_hist=m.accept_hist + act[:, None] * jax.nn.one_hot(kept_guesses, k + 1,
+                                                                dtype=jnp.int32),
+      reached=m.reached + (pos < evaluated[:, None]).astype(jnp.int32),
+      kept=m.kept + (pos < kept_guesses[:, None]).astype(jnp.int32),
+  )
+  return state.replace(round=state.round + 1, cache=cache, drafter=dstate, history=history,
+                       length=length, num_tokens=num_tokens, done=done, metrics=metrics)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec"),
+                   donate_argnames=("state",))
+def decode(params, cfg: ModelConfig, drafter: Drafter, draft_params, state: SpecState, *,
+           spec: SpecConfig) -> SpecState:
+  """Rounds on device until every row is done."""
+  body = functools.partial(spec_round, params, cfg, drafter, draft_params, spec)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+
+
+@dataclasses.dataclass
+class SpecResult(ar.GenerateResult):
+  """GenerateResult plus acceptance metrics (summed over rows)."""
+
+  lossy: bool = False
+
+  @property
+  def alpha(self) -> float:
+    """Empirical acceptance rate: accepted / guesses evaluated."""
+    p = self.stats["proposed"]
+    return self.stats["accepted"] / p if p else float("nan")
+
+  @property
+  def tau(self) -> float:
+    """Tokens per target decode forward (bonus included, prefill excluded)."""
+    r = self.stats["rounds"]
+    return self.stats["emitted"] / r if r else float("nan")
+
+
+def _summarize(state: SpecState) -> dict:
+  m = jax.device_get(state.metrics)
+  return {
+      "rounds": int(m.rounds.sum()),
+      "emitted": int(m.emitted.sum()),
+      "proposed": int(m.proposed.sum()),
+      "accepted": int(m.accepted.sum()),
+      "accept_hist": m.accept_hist.sum(0).tolist(),
+      "per_position_acceptance": (m.kept.sum(0) / np.maximum(m.reached.sum(0), 1)).tolist(),
+      "max_rounds_per_row": int(m.rounds.max()),
+  }
+
+
+def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
+             draft_params=None, key=0, spec: SpecConfig = SpecConfig(), max_new_tokens=64,
+             request_ids=None, cache_slots: Optional[int] = None) -> SpecResult:
+  """Speculative generation for token-id prompts (ragged lengths allowed).
+
+  The same arguments as `autoregressive.generate`, plus the drafter, its
+  params and the SpecConfig (target sampling settings and acceptance rule).
+  """
+  drafter.check(cfg, draft_params)
+  tokens, lengths, limits, width, num_slots = ar.prepare(cfg, prompts, max_new_tokens,
+                                                         drafter.k + 1, cache_slots)
+  keys = batch_lib.request_keys(batch_lib.as_key(key),
+                                batch_lib.request_ids_for(len(prompts), request_ids))
+  t0 = time.perf_counter()
+  state = prefill(params, cfg, drafter, draft_params, keys, jnp.asarray(tokens),
+                  jnp.asarray(lengths), jnp.asarray(limits), num_slots=num_slots, spec=spec,
+                  max_new_tokens=width)
+  state.num_tokens.block_until_ready()
+  t1 = time.perf_counter()
+  state = decode(params, cfg, drafter, draft_params, state, spec=spec)
+  history, length, plen = jax.device_get((state.history, state.length, state.prompt_len))
+  t2 = time.perf_counter()
+  out = [history[i, plen[i]:length[i]].tolist() for i in range(len(prompts))]
+  return SpecResult(tokens=out, prefill_s=t1 - t0, decode_s=t2 - t1, num_slots=num_slots,
+                    stats=_summarize(state), lossy=spec.lossy)

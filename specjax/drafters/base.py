@@ -1,0 +1,164 @@
+"""The one drafter interface of the speculative loop.
+
+A drafter is a frozen (hashable, jit-static) dataclass holding its static
+settings; its weights (if any) travel separately as `params`, its per-request
+state as a pytree. Each round the loop calls
+
+    proposal, state, target_cache = drafter.propose(params, target, state, ctx, keys)
+
+and, after verification,
+
+    state = drafter.commit(params, state, ctx_after, num_accepted, verify)
+
+`ctx` is the committed history the loop keeps for every row: all prompt and
+emitted tokens and their count. Invariant: the target's cache holds the
+keys/values of `history[:length - 1]`; the newest committed token
+`history[length - 1]` has not been fed to the target yet (the verify forward
+feeds it first, followed by the K guesses).
+
+A drafter that keeps its own cache of the committed history (a draft model)
+knows how many history tokens it has already consumed; whatever the last
+round left it short of (the correction or bonus token, and after an all-accept
+round its own last guess -- one or two tokens, a different number per row) it
+feeds first, from `ctx.history`. Anything it wrote for rejected guesses is
+discarded by lowering its own fill level to the agreed prefix in `commit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from specjax import sampling as sampling_lib
+from specjax.models.cache import KVCache
+
+
+@flax.struct.dataclass
+class Context:
+  """What the loop offers a drafter each round (one row per request)."""
+
+  history: jax.Array  # (B, H) int32 committed tokens: prompt then emitted
+  length: jax.Array  # (B,) int32 committed tokens per row
+  prompt_len: jax.Array  # (B,) int32 prompt tokens per row
+  active: jax.Array  # (B,) bool rows still generating
+
+
+@flax.struct.dataclass
+class Proposal:
+  """Up to K guesses per row and the distributions they were drawn from.
+
+  Slots at or beyond `num_proposed[b]` are padding: never accepted, and the
+  next token there is drawn from the target's p. For deterministic drafters
+  (prompt lookup, Lookahead, replay) `q` is the one-hot of the guess.
+  """
+
+  tokens: jax.Array  # (B, K) int32
+  q: jax.Array  # (B, K, V) float32
+  num_proposed: jax.Array  # (B,) int32 in [0, K]
+
+
+@flax.struct.dataclass
+class VerifyOutput:
+  """What the target's verify forward produced, for drafters that learn from it."""
+
+  hidden: jax.Array  # (B, K + 1, D) target hidden states at the fed positions
+  num_accepted: jax.Array  # (B,) int32
+
+
+def one_hot_q(tokens: jax.Array, vocab_size: int) -> jax.Array:
+  return jax.nn.one_hot(tokens, vocab_size, dtype=jnp.float32)
+
+
+def cut_at_eos(tokens: jax.Array, num_proposed: jax.Array, eos_id: int) -> jax.Array:
+  """Guesses after a drafted EOS are pointless: shorten the proposal to end there."""
+  k = tokens.shape[1]
+  is_eos = (tokens == eos_id) & (jnp.arange(k)[None] < num_proposed[:, None])
+  first = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, k)
+  return jnp.minimum(num_proposed, first)
+
+
+def sample_chain(step, carry, first_logits, keys, k: int, sampling, active):
+  """Autoregressive drafting of k tokens.
+
+  `step(carry, tokens (B,)) -> (logits (B, V), carry)` feeds one token per row.
+  Token i is drawn from q_i = probs(logits_i, sampling) with key
+  fold_in(keys[b], i); the k-th token is sampled but not fed (the verify
+  forward feeds it). Returns (tokens (B, k), q (B, k, V), carry).
+  """
+  def draw(logits, i):
+    q = sampling_lib.probs(logits, sampling)
+    if sampling.greedy:
+      x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+      sub = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
+      x = jax.vmap(sampling_lib.sample_from_probs)(sub, q)
+    return x, q
+
+  x0, q0 = draw(first_logits, 0)
+
+  def body(c, i):
+    carry, x = c
+    logits, carry = step(carry, x)
+    x_next, q = draw(logits, i)
+    return (carry, x_next), (x_next, q)
+
+  (carry, _), (xs, qs) = jax.lax.scan(body, (carry, x0), jnp.arange(1, k))
+  tokens = jnp.concatenate([x0[:, None], jnp.moveaxis(xs, 0, 1)], axis=1)
+  q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+  return tokens, q, carry
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+  """Base class: static settings; subclasses implement the four methods."""
+
+  k: int
+
+  def __post_init__(self):
+    if not isinstance(self.k, int) or self.k < 1:
+      raise ValueError(f"draft length k must be an integer >= 1, got {self.k!r}")
+
+  # Whether the drafter writes into the target's cache (layer skipping). The
+  # loop asserts by construction that verify overwrites every slot it wrote.
+  shares_target_cache = False
+  # Whether proposals are deterministic given the history (one-hot q).
+  deterministic = False
+  name = "drafter"
+
+  @property
+  def vocab_size(self) -> Optional[int]:
+    """The drafter's vocabulary size, if it has one (checked against the target)."""
+    return None
+
+  def check(self, target_cfg, params) -> None:
+    """Raise a clear error if the drafter cannot serve this target."""
+    v = self.vocab_size
+    if v is not None and v != target_cfg.vocab_size:
+      raise ValueError(
+          f"{self.name}: draft vocabulary ({v}) differs from the target's "
+          f"({target_cfg.vocab_size}); speculative decoding needs a shared vocabulary")
+
+  def init(self, params, target, prompt_tokens, prompt_lengths, num_slots: int) -> Any:
+    """Per-request state after the prompt (e.g. a prefilled draft cache)."""
+    return ()
+
+  def propose(self, params, target, state, ctx: Context, target_cache: KVCache,
+              keys: jax.Array):
+    """-> (Proposal, state, target_cache)."""
+    raise NotImplementedError
+
+  def commit(self, params, state, ctx: Context, verify: VerifyOutput) -> Any:
+    """Bring the state to the committed history `ctx` (after verification)."""
+    return state
+
+
+@flax.struct.dataclass
+class Target:
+  """The target model as the loop hands it to drafters: params + static cfg."""
+
+  params: Any
+  cfg: Any = flax.struct.field(pytree_node=False)

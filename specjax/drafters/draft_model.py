@@ -1,0 +1,89 @@
+"""An independent draft model (Leviathan et al. 2023; Chen et al. 2023).
+
+Any model that shares the target's vocabulary: a smaller pretrained model, a
+distilled one (`specjax.training`), or a tiny random one in tests. It keeps its
+own KV cache of the committed history. Each round it first feeds the committed
+tokens it has not seen -- the correction or bonus token, and after an
+all-accept round also its own last guess (which the verify forward fed but it
+did not) -- then drafts k tokens autoregressively. On commit its fill level is
+lowered to the prefix it agrees with, discarding what it wrote for rejected
+guesses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax
+import jax
+import jax.numpy as jnp
+
+from specjax import sampling as sampling_lib
+from specjax.drafters.base import Drafter, Proposal, cut_at_eos, sample_chain
+from specjax.models import cache as cache_lib
+from specjax.models import transformer
+from specjax.models.config import ModelConfig
+
+# The most committed tokens a chain drafter can be behind: the bonus token plus
+# its own last guess after an all-accept round.
+CATCH_UP = 2
+
+
+@flax.struct.dataclass
+class DraftModelState:
+  cache: cache_lib.KVCache  # holds history[:cache.length]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel(Drafter):
+  cfg: ModelConfig = None
+  sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
+  name = "draft_model"
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.cfg is None:
+      raise ValueError("DraftModel needs the draft model's ModelConfig")
+
+  @property
+  def vocab_size(self):
+    return self.cfg.vocab_size
+
+  def check(self, target_cfg, params) -> None:
+    super().check(target_cfg, params)
+    if params is None:
+      raise ValueError("draft_model: the draft model's params were not loaded (draft_params)")
+
+  def init(self, params, target, prompt_tokens, prompt_lengths, num_slots):
+    b, t = prompt_tokens.shape
+    cache = cache_lib.init_cache(self.cfg, b, num_slots)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    _, _, cache = transformer.forward(params, self.cfg, prompt_tokens, pos, cache,
+                                      compute_logits=False)
+    return DraftModelState(cache=cache.with_length(prompt_lengths))
+
+  def propose(self, params, target, state, ctx, target_cache, keys):
+    cache = state.cache
+    m = cache.length
+    behind = jnp.clip(ctx.length - m, 1, CATCH_UP)
+    idx = jnp.minimum(m[:, None] + jnp.arange(CATCH_UP)[None], ctx.history.shape[1] - 1)
+    fed = jnp.take_along_axis(ctx.history, idx, axis=1)
+    logits, _, cache = transformer.forward(params, self.cfg, fed,
+                                           transformer.chain_positions(cache, CATCH_UP), cache,
+                                           active=ctx.active)
+    cache = cache.with_length(jnp.where(ctx.active, m + behind, m))
+    first = jnp.take_along_axis(logits, (behind - 1)[:, None, None], axis=1)[:, 0]
+
+    def step(c, x):
+      lg, _, c = transformer.forward(params, self.cfg, x[:, None],
+                                     transformer.chain_positions(c, 1), c, active=ctx.active)
+      return lg[:, 0], c
+
+    tokens, q, cache = sample_chain(step, cache, first, keys, self.k, self.sampling, ctx.active)
+    num = cut_at_eos(tokens, jnp.full(tokens.shape[:1], self.k, jnp.int32), self.cfg.eos_id)
+    return Proposal(tokens=tokens, q=q, num_proposed=num), DraftModelState(cache), target_cache
+
+  def commit(self, params, state, ctx, verify):
+    # Entries past the committed prefix it agrees with belong to rejected guesses.
+    c = state.cache
+    return DraftModelState(c.with_length(jnp.minimum(c.length, ctx.length - 1)))
