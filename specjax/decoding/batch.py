@@ -24,10 +24,11 @@ DECODE_STEP = 1
 DRAFT = 2
 ACCEPT = 3
 
-SLOT_MULTIPLE = 64
+# Cache sizes are multiples of this; with widths bucketed, few distinct shapes.
+SLOT_MULTIPLE = 16
 
 
-def prompt_bucket(length: int, minimum: int = 32) -> int:
+def prompt_bucket(length: int, minimum: int = 8) -> int:
   """Prompt lengths are padded to powers of two (>= minimum): every distinct
   padded length compiles a new prefill."""
   b = minimum
@@ -55,14 +56,18 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
 
 def cache_size(cfg: ModelConfig, prompt_width: int, max_prompt_len: int,
                max_new_tokens: int, block: int, requested: Optional[int] = None) -> int:
-  """Slots to allocate: the padded prompt and prompt + new tokens + one
-  forward block must fit; never beyond the model's context length."""
+  """Slots to allocate: prompt + new tokens + one forward block must fit.
+
+  Sized from the bucketed prompt width, not the exact length, so that prompts
+  of one bucket share one compiled program; never beyond the model's context
+  length (or the requested cap), where the exact length decides.
+  """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
   limit = cfg.max_seq_len if requested is None else int(requested)
   check_capacity(limit, max_prompt_len, max_new_tokens, block)
-  need = max(prompt_width, max_prompt_len + max_new_tokens + block)
-  return min(round_up(need, SLOT_MULTIPLE), max(limit, prompt_width))
+  need = prompt_width + max_new_tokens + block
+  return max(min(round_up(need, SLOT_MULTIPLE), limit), prompt_width)
 
 
 def request_keys(key: jax.Array, request_ids: jax.Array) -> jax.Array:

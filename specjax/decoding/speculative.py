@@ -75,17 +75,30 @@ class SpecState:
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-  """Static settings of a speculative run."""
+  """Static settings of a speculative run.
+
+  `rule` is "exact" (chain rejection sampling; greedy verification when the
+  target samples at temperature 0), "typical" (Medusa's, lossy), or a callable
+  `rule(keys, draft_tokens, q, p, num_proposed, logits) -> (num_accepted,
+  next_token)` -- how researchers (and the negative controls of the test
+  suite) plug in their own rule; a custom rule is labelled lossy unless it
+  says otherwise with an attribute `exact = True`. `accept_purpose` names the
+  key stream of the acceptance uniforms; it exists so that a test can reuse
+  the drafting stream and show that such a reuse is caught.
+  """
 
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY  # the target's p
-  rule: str = "exact"  # "exact" (chain rejection sampling / greedy) or "typical" (lossy)
+  rule: Any = "exact"
+  accept_purpose: int = batch_lib.ACCEPT
 
   def __post_init__(self):
-    if self.rule not in RULES:
-      raise ValueError(f"rule must be one of {RULES}, got {self.rule!r}")
+    if not callable(self.rule) and self.rule not in RULES:
+      raise ValueError(f"rule must be one of {RULES} or a callable, got {self.rule!r}")
 
   @property
   def lossy(self) -> bool:
+    if callable(self.rule):
+      return not getattr(self.rule, "exact", False)
     return self.rule in verify.LOSSY_RULES
 
 
@@ -139,7 +152,7 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
   ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
                 active=active)
   draft_keys = batch_lib.purpose_keys(state.keys, batch_lib.DRAFT, state.round)
-  accept_keys = batch_lib.purpose_keys(state.keys, batch_lib.ACCEPT, state.round)
+  accept_keys = batch_lib.purpose_keys(state.keys, spec.accept_purpose, state.round)
   target = Target(params, cfg)
   proposal, dstate, cache = drafter.propose(draft_params, target, state.drafter, ctx,
                                             state.cache, draft_keys)
@@ -152,7 +165,10 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
                                               transformer.chain_positions(cache, k + 1), cache,
                                               active=active)
   num_proposed = jnp.where(active, proposal.num_proposed, 0)
-  if spec.rule == "typical":
+  if callable(spec.rule):
+    p = sampling_lib.probs(logits, spec.sampling)
+    n_acc, nxt = spec.rule(accept_keys, proposal.tokens, proposal.q, p, num_proposed, logits)
+  elif spec.rule == "typical":
     p = sampling_lib.probs(logits, spec.sampling)
     n_acc, nxt = verify.typical_accept(proposal.tokens, p, num_proposed)
   elif spec.sampling.greedy:
