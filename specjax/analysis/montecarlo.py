@@ -164,3 +164,36 @@ def pit_test(values: np.ndarray) -> PITResult:
   pooled = exactness.uniformity_test(values.reshape(-1)).pvalue
   return PITResult(pooled_pvalue=float(pooled), per_position_pvalues=per,
                    num_values=int(values.size))
+
+
+def tiny_pair(vocab_size: int = 8, target_seed: int = 11, draft_seed: int = 22,
+              scale: float = 0.2):
+  """A tiny target (2 layers) and draft model (1 layer) over a small vocabulary
+  whose next-token laws are far apart (TV ~0.3-0.6 on short prompts), so that
+  rejections, residual draws and bonus tokens all occur. Neither ever emits EOS
+  (eos_id = -1), so every run has the full horizon.
+  Returns (target_params, target_cfg, draft_params, draft_cfg).
+  """
+  from specjax.models.config import tiny_config  # pylint: disable=import-outside-toplevel
+
+  cfg = tiny_config(vocab_size=vocab_size, eos_id=-1, pad_id=0, max_seq_len=64)
+  dcfg = tiny_config(vocab_size=vocab_size, num_layers=1, eos_id=-1, pad_id=0, max_seq_len=64)
+  target = transformer.init(jax.random.key(target_seed), cfg)
+  draft = transformer.init(jax.random.key(draft_seed), dcfg)
+  return (dict(target, embed=target["embed"] * scale), cfg,
+          dict(draft, embed=draft["embed"] * scale), dcfg)
+
+
+def vet_drafter(params, cfg: ModelConfig, drafter, prompts, *, sampling, draft_params=None,
+                num_samples: int = 100_000, num_tokens: int = 4, seed: int = 0) -> dict:
+  """Joint-law test of one drafter/sampling setting: what a researcher runs on
+  a new drafter. Returns p-values, TV and the detectable TV per prompt."""
+  spec = speculative.SpecConfig(sampling=sampling)
+  samples, stats = sample_tokens(params, cfg, drafter, prompts, num_samples // len(prompts),
+                                 num_tokens, draft_params=draft_params, seed=seed, spec=spec)
+  out = []
+  for s, p in zip(samples, prompts):
+    r = joint_test(s, exact_joint(params, cfg, p, num_tokens, sampling))
+    out.append(dataclasses.asdict(r))
+  return {"per_prompt": out, "alpha": stats["accepted"] / max(stats["proposed"], 1),
+          "per_position_acceptance": np.asarray(stats["per_position_acceptance"]).tolist()}

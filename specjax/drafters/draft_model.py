@@ -87,3 +87,13 @@ class DraftModel(Drafter):
     # Entries past the committed prefix it agrees with belong to rejected guesses.
     c = state.cache
     return DraftModelState(c.with_length(jnp.minimum(c.length, ctx.length - 1)))
+
+
+def truncated_model(params, cfg: ModelConfig, num_layers: int):
+  """The target's first `num_layers` layers + final norm + LM head as a separate
+  draft model (arrays shared, not copied; it keeps its own cache). A weak but
+  legitimate independent drafter until a trained one is loaded."""
+  if not 1 <= num_layers <= cfg.num_layers:
+    raise ValueError(f"a truncated draft model needs 1..{cfg.num_layers} layers, got {num_layers}")
+  dparams = dict(params, layers=list(params["layers"][:num_layers]))
+  return dparams, cfg.replace(num_layers=num_layers)

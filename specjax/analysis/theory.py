@@ -1,0 +1,81 @@
+"""The theory of speculative decoding's speed, defined once.
+
+Leviathan et al. 2023 (arXiv:2211.17192), Section 3: with i.i.d. acceptance
+rate alpha and k guesses per round,
+
+  E[tokens per round] = (1 - alpha^(k+1)) / (1 - alpha)                (Eq. 1)
+
+and, if a draft step costs c target steps and a verify forward costs one
+target step, the walltime improvement factor is
+
+  (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1))                (Theorem 3.8)
+
+On a CPU a verify over k + 1 tokens is NOT one target step (DESIGN.md: 8
+tokens cost ~2x one in f32), so specjax's prediction replaces the theorem's
+denominator with measured costs: the accepted-length histogram gives
+E[tokens per round], and
+
+  predicted speedup = E[tokens] * t_AR / (t_draft(k) + t_verify(k + 1)).
+
+Both are reported side by side.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+
+def expected_tokens(alpha, k: int):
+  """Eq. 1: expected tokens per round (bonus included) for i.i.d. acceptance alpha."""
+  alpha = np.asarray(alpha, np.float64)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    out = (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+  return np.where(np.isclose(alpha, 1.0), k + 1.0, out)
+
+
+def leviathan_speedup(alpha, k: int, c: float):
+  """Theorem 3.8: walltime improvement assuming a verify costs one AR step."""
+  return expected_tokens(alpha, k) / (k * c + 1.0)
+
+
+def optimal_k(alpha: float, c: float, k_max: int = 16) -> int:
+  """The k maximising Theorem 3.8's improvement factor (Leviathan et al. Fig. 3)."""
+  ks = np.arange(1, k_max + 1)
+  return int(ks[np.argmax([leviathan_speedup(alpha, int(k), c) for k in ks])])
+
+
+def analytic_alpha(p, q) -> float:
+  """alpha = E[sum_x min(p(x), q(x))] over positions (Leviathan et al. Def. 3.1)."""
+  p = np.asarray(p, np.float64)
+  q = np.asarray(q, np.float64)
+  return float(np.mean(np.sum(np.minimum(p, q), axis=-1)))
+
+
+def tokens_per_round_from_histogram(accept_hist: Sequence[int]) -> float:
+  """Mean (accepted + 1) over rounds, from counts of rounds by accepted length."""
+  h = np.asarray(accept_hist, np.float64)
+  return float(np.sum(h * (np.arange(len(h)) + 1)) / max(h.sum(), 1))
+
+
+def interpolate_cost(costs: Mapping[int, float]) -> Callable[[float], float]:
+  """A verify-cost curve t(n) from measured points {n_tokens: seconds}, linear in n."""
+  ns = np.array(sorted(costs), np.float64)
+  ts = np.array([costs[int(n)] for n in ns], np.float64)
+  return lambda n: float(np.interp(n, ns, ts))
+
+
+def predicted_speedup(tokens_per_round: float, t_ar: float, t_draft: float,
+                      t_verify: float) -> float:
+  """Calibrated prediction: E[tokens] per (draft + verify) time, against AR's per-token time."""
+  return tokens_per_round * t_ar / (t_draft + t_verify)
+
+
+def optimal_k_calibrated(alpha: float, t_ar: float, t_draft_token: float,
+                         verify_cost: Callable[[float], float], k_max: int = 16) -> int:
+  """The k maximising the calibrated prediction under i.i.d. acceptance alpha."""
+  ks = np.arange(1, k_max + 1)
+  vals = [predicted_speedup(float(expected_tokens(alpha, int(k))), t_ar, k * t_draft_token,
+                            verify_cost(k + 1)) for k in ks]
+  return int(ks[int(np.argmax(vals))])

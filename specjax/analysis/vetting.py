@@ -1,0 +1,70 @@
+"""The exactness matrix behind experiments/exactness.py (configs/exactness.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.analysis import exactness
+from specjax.analysis import montecarlo
+
+# Prompts of the tiny vocabulary: B = 4 is a ragged batch of these.
+PROMPTS = [[3, 5, 1, 6], [2, 7], [4, 4, 1, 3, 4], [6]]
+
+
+def make_tiny_drafter(name: str, k: int, dcfg):
+  """Drafters that run on the tiny pair (the draft model samples at T = 1)."""
+  from specjax.drafters.draft_model import DraftModel  # pylint: disable=import-outside-toplevel
+  from specjax.drafters.layer_skip import LayerSkip  # pylint: disable=import-outside-toplevel
+  from specjax.drafters.prompt_lookup import PromptLookup  # pylint: disable=import-outside-toplevel
+
+  t1 = sampling_lib.SamplingConfig(temperature=1.0)
+  if name == "draft_model":
+    return DraftModel(k=k, cfg=dcfg, sampling=t1), True
+  if name == "layer_skip":
+    return LayerSkip(k=k, layers=(0,), sampling=t1), False
+  if name == "prompt_lookup":
+    return PromptLookup(k=k, max_ngram=2), False
+  if name == "lookahead":
+    from specjax.drafters.lookahead import Lookahead  # pylint: disable=import-outside-toplevel
+    return Lookahead(k=k), False
+  raise ValueError(f"unknown drafter {name!r} (draft_model, layer_skip, prompt_lookup, lookahead)")
+
+
+def parse_samplings(spec: str):
+  out = {}
+  for item in spec.split(","):
+    name, vals = item.split("=")
+    t, k, p = vals.split("/")
+    out[name] = sampling_lib.SamplingConfig(temperature=float(t), top_k=int(k), top_p=float(p))
+  return out
+
+
+def run_matrix(c, log=print) -> list:
+  params, cfg, dparams, dcfg = montecarlo.tiny_pair()
+  samplings = parse_samplings(c.samplings)
+  rows = []
+  grid = itertools.product(c.drafters.split(","), samplings.items(),
+                           [int(k) for k in str(c.ks).split(",")],
+                           [int(b) for b in str(c.batch_sizes).split(",")])
+  for name, (sname, sampling), k, b in grid:
+    drafter, uses_draft = make_tiny_drafter(name, k, dcfg)
+    res = montecarlo.vet_drafter(params, cfg, drafter, PROMPTS[:b], sampling=sampling,
+                                 draft_params=dparams if uses_draft else None,
+                                 num_samples=int(c.num_samples), num_tokens=int(c.num_tokens),
+                                 seed=int(c.seed))
+    for i, r in enumerate(res["per_prompt"]):
+      row = dict(drafter=name, sampling=sname, k=k, batch_size=b, prompt=i, alpha=res["alpha"],
+                 **r)
+      rows.append(row)
+      log(f"{name:14s} {sname:6s} k={k} B={b} prompt {i}: p={r['pvalue']:.4f} "
+          f"TV={r['tv']:.4f} (noise bound {r['tv_bound']:.4f}, detectable "
+          f"{r['detectable_tv']:.4f}) alpha={res['alpha']:.3f}")
+  rejected = exactness.holm_bonferroni(np.array([r["pvalue"] for r in rows]), c.family_alpha)
+  for r, rej in zip(rows, rejected):
+    r["rejected"] = bool(rej)
+  log(f"{len(rows)} tests, {int(rejected.sum())} rejected by Holm at family-wise "
+      f"{c.family_alpha}")
+  return rows

@@ -1,0 +1,97 @@
+"""Speculative decoding on the real SmolLM2-135M: greedy identity with AR for
+every drafter on a prompt of every Spec-Bench category (one ragged batch), and
+the long-horizon PIT test under sampling."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from specjax import sampling as sampling_lib
+from specjax.analysis import exactness
+from specjax.analysis import greedy_identity
+from specjax.analysis import montecarlo as mc
+from specjax.decoding import autoregressive as ar
+from specjax.decoding import speculative as sp
+from specjax.drafters.draft_model import DraftModel, truncated_model
+from specjax.drafters.layer_skip import LayerSkip
+from specjax.drafters.prompt_lookup import PromptLookup
+from specjax.drafters.replay import AlwaysReject, Replay, replay_params
+
+SPEC_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench",
+                          "question_excl_mtbench.jsonl")
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def category_prompts(smollm2):
+  """The shortest prompt of each Spec-Bench category, through the chat template."""
+  best = {}
+  with open(SPEC_BENCH) as f:
+    for line in f:
+      rec = json.loads(line)
+      ids = smollm2.tokenizer.encode_prompt(rec["turns"][0])
+      if rec["category"] not in best or len(ids) < len(best[rec["category"]]):
+        best[rec["category"]] = ids
+  assert len(best) == 5
+  return [best[c] for c in sorted(best)]
+
+
+@pytest.fixture(scope="module")
+def ar_reference(smollm2, category_prompts):
+  return ar.generate(smollm2.params, smollm2.cfg, category_prompts, max_new_tokens=NEW).tokens
+
+
+@pytest.fixture(scope="module")
+def delta(smollm2, category_prompts, ar_reference):
+  """Near-tie threshold: 10x the measured block-vs-step logit difference (f32)."""
+  diff = greedy_identity.block_vs_step_difference(smollm2.params, smollm2.cfg,
+                                                  category_prompts[0], ar_reference[0][:5])
+  assert diff < 5e-3, diff
+  return 10 * max(diff, 1e-5)
+
+
+def _drafters(model, reference):
+  dparams, dcfg = truncated_model(model.params, model.cfg, 6)
+  return [
+      (PromptLookup(k=4), None),
+      (LayerSkip(k=3, layers=tuple(range(0, 30, 2))), None),
+      (DraftModel(k=3, cfg=dcfg), dparams),
+      (Replay(k=4), replay_params(reference)),
+      (AlwaysReject(k=2), None),
+  ]
+
+
+def test_greedy_identity_every_drafter_every_category(smollm2, category_prompts, ar_reference,
+                                                      delta):
+  near_ties = 0
+  for drafter, dparams in _drafters(smollm2, ar_reference):
+    res = sp.generate(smollm2.params, smollm2.cfg, drafter, category_prompts,
+                      draft_params=dparams, max_new_tokens=NEW)
+    for prompt, ref, got in zip(category_prompts, ar_reference, res.tokens):
+      cmp = greedy_identity.compare(smollm2.params, smollm2.cfg, prompt, ref, got, delta)
+      assert cmp.status != "diverged", (drafter.name, cmp, delta)
+      near_ties += cmp.status == "near_tie"
+    if drafter.name == "replay":
+      assert res.alpha > 0.95, res.stats
+  assert near_ties <= 2, near_ties  # reported; more would suggest a real bug
+
+
+def test_long_horizon_pit_on_smollm2(smollm2, category_prompts):
+  """Sampled speculative output (T = 0.8, top-p 0.95; layer-skip drafter at T = 1)
+  passes the randomized PIT test against teacher-forced target distributions."""
+  sampling = sampling_lib.SamplingConfig(temperature=0.8, top_p=0.95)
+  drafter = LayerSkip(k=3, layers=tuple(range(0, 30, 2)),
+                      sampling=sampling_lib.SamplingConfig(temperature=1.0))
+  prompt = category_prompts[0]
+  length = 16  # >= 3 (k + 1)
+  spec = sp.SpecConfig(sampling=sampling)
+  cfg = smollm2.cfg.replace(eos_id=-1)  # every row runs the full horizon
+  samples, stats = mc.sample_tokens(smollm2.params, cfg, drafter, [prompt], 48, length,
+                                    spec=spec, chunk=48)
+  assert stats["accepted"] > 0 and stats["accepted"] < stats["proposed"]
+  values = mc.pit_values(smollm2.params, cfg, prompt, samples[0], sampling, chunk=48)
+  result = mc.pit_test(values)
+  assert result.pooled_pvalue > 1e-3, result
