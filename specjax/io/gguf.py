@@ -9,6 +9,7 @@ device copy.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from typing import Any, Dict, Optional, Tuple
@@ -54,10 +55,32 @@ def resolve_model_path(name_or_path: str) -> str:
       "or a path to a .gguf file")
 
 
-def open_gguf(path: str):
-  """Open a GGUF file with a clear error when it is not one or is truncated."""
+@functools.lru_cache(maxsize=None)
+def _reader_class():
+  """gguf.GGUFReader over a plain ndarray view of its memory map.
+
+  The stock reader slices an `np.memmap` once per metadata value, and every
+  memmap slice pays `memmap.__array_finalize__`: parsing SmolLM2's 98k
+  tokenizer strings took ~8 s. A base-class view of the same mapping parses the
+  same fields and tensors (still memory-mapped, no copy) ~3x faster.
+  """
   import gguf  # pylint: disable=import-outside-toplevel
 
+  class _Reader(gguf.GGUFReader):
+
+    @property
+    def data(self):
+      return self._data
+
+    @data.setter
+    def data(self, value):
+      self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+  return _Reader
+
+
+def open_gguf(path: str):
+  """Open a GGUF file with a clear error when it is not one or is truncated."""
   if not os.path.isfile(path):
     raise GGUFError(f"GGUF file not found: {path}")
   with open(path, "rb") as f:
@@ -65,7 +88,7 @@ def open_gguf(path: str):
   if magic != GGUF_MAGIC:
     raise GGUFError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
   try:
-    return gguf.GGUFReader(path)
+    return _reader_class()(path)
   except Exception as e:  # the reader raises ValueError/IndexError/... on bad files
     raise GGUFError(f"{path} is a malformed or truncated GGUF file: {type(e).__name__}: {e}") from e
 
@@ -75,6 +98,17 @@ def field(reader, key: str, default: Any = None) -> Any:
   if f is None:
     return default
   return f.contents()
+
+
+def _float32_value(v: float) -> float:
+  """A float32 metadata value as the shortest decimal that rounds to it.
+
+  GGUF stores rope theta and the RMS epsilon as float32: read back verbatim,
+  1e-5 becomes 9.999999747378752e-06, and the config would compare unequal to
+  (and recompile against) the same model's config from any other source. Both
+  values round to the same float32, so the computation is unchanged.
+  """
+  return float(str(np.float32(v)))
 
 
 def read_config(reader, path: str = "<gguf>") -> ModelConfig:
@@ -106,8 +140,8 @@ def read_config(reader, path: str = "<gguf>") -> ModelConfig:
       num_kv_heads=int(field(reader, "llama.attention.head_count_kv", heads)),
       head_dim=int(field(reader, "llama.rope.dimension_count", dim // heads)),
       ffn_dim=int(need("feed_forward_length")),
-      rope_theta=float(field(reader, "llama.rope.freq_base", 10000.0)),
-      norm_eps=float(field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+      rope_theta=_float32_value(field(reader, "llama.rope.freq_base", 10000.0)),
+      norm_eps=_float32_value(field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
       tie_embeddings="output.weight" not in tensor_names,
       max_seq_len=int(field(reader, "llama.context_length", 2048)),
       bos_id=int(field(reader, "tokenizer.ggml.bos_token_id", 1)),

@@ -82,6 +82,8 @@ def tokenizer_from_gguf(reader, path: str = "<gguf>") -> Tokenizer:
   """Build the tokenizer described by an open GGUF reader."""
   f = lambda k, d=None: gguf_io.field(reader, k, d)
   kind = f("tokenizer.ggml.model")
+  if kind is None:
+    raise gguf_io.GGUFError(f"{path}: no tokenizer metadata (tokenizer.ggml.model is missing)")
   if kind != "gpt2":
     raise gguf_io.GGUFError(
         f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' only)")

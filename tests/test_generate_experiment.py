@@ -1,0 +1,88 @@
+"""Smoke tests of the generate experiment: configs/smollm2.py through the runner
+in-process (reusing the session's model), and experiments/generate.py as a
+subprocess, the way the README runs it."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specjax import runner
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_config_file(name):
+  """configs/<name>.py by path, as --config=configs/<name>.py loads it."""
+  spec = importlib.util.spec_from_file_location(f"configs_{name}",
+                                                os.path.join(ROOT, "configs", f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+smollm2_config = _load_config_file("smollm2")
+
+METRICS = {"method", "prompt_tokens", "new_tokens", "batch_size", "tokens_per_s", "ms_per_token",
+           "time_to_first_token_s", "compile_and_first_run_s", "dtype", "temperature", "top_k",
+           "top_p", "peak_rss_mb"}
+
+
+def small_config(variant=None, max_new_tokens=8):
+  c = smollm2_config.get_config(variant)
+  c.max_new_tokens = max_new_tokens  # the config is locked: existing fields only
+  c.repeats = 0
+  return c
+
+
+@pytest.mark.parametrize("variant, temperature, top_p", [(None, 0.0, 1.0), ("sample", 0.7, 0.9)])
+def test_generate_from_config(smollm2, variant, temperature, top_p):
+  out = runner.generate_from_config(small_config(variant), model=smollm2)
+  assert METRICS | {"answer"} <= set(out)
+  assert isinstance(out["answer"], str) and out["answer"].strip()
+  assert out["method"] == "ar" and out["dtype"] == "float32" and out["batch_size"] == 1
+  assert (out["temperature"], out["top_p"]) == (temperature, top_p)
+  assert 0 < out["new_tokens"] <= 8
+  assert out["prompt_tokens"] > 10
+  assert out["tokens_per_s"] > 0 and out["ms_per_token"] > 0
+  json.dumps(out)  # what the main prints must be JSON
+
+
+def test_config_variants():
+  assert smollm2_config.get_config("bf16").dtype == "bfloat16"
+  both = smollm2_config.get_config("sample+bf16")
+  assert (both.dtype, both.temperature, both.top_p) == ("bfloat16", 0.7, 0.9)
+  with pytest.raises(AttributeError):  # locked: a typo cannot add a field
+    smollm2_config.get_config().max_new_token = 3
+
+
+def test_unknown_variant_raises():
+  with pytest.raises(ValueError, match="unknown variant 'turbo'"):
+    smollm2_config.get_config("turbo")
+
+
+def test_unknown_method_raises(smollm2):
+  c = small_config()
+  c.method = "magic"
+  with pytest.raises(ValueError, match="unknown method 'magic'"):
+    runner.generate_from_config(c, model=smollm2)
+
+
+def test_experiment_main_subprocess():
+  proc = subprocess.run(
+      [sys.executable, "experiments/generate.py", "--config=configs/smollm2.py",
+       "--config.max_new_tokens=4", "--config.repeats=0"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # The answer comes first, then the metrics as an indented JSON object.
+  lines = proc.stdout.splitlines()
+  start = max(i for i, line in enumerate(lines) if line == "{")
+  metrics = json.loads("\n".join(lines[start:]))
+  assert METRICS <= set(metrics)
+  assert 0 < metrics["new_tokens"] <= 4
+  assert "\n".join(lines[:start]).strip(), "no answer printed"
