@@ -25,6 +25,9 @@ SPEC_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data
 NEW = 32
 
 
+MAX_CHARS = 700  # long RAG / summarization records are cut (head + tail) to one bucket
+
+
 @pytest.fixture(scope="module")
 def category_prompts(smollm2):
   """The shortest prompt of each Spec-Bench category, through the chat template."""
@@ -32,10 +35,14 @@ def category_prompts(smollm2):
   with open(SPEC_BENCH) as f:
     for line in f:
       rec = json.loads(line)
-      ids = smollm2.tokenizer.encode_prompt(rec["turns"][0])
+      text = rec["turns"][0]
+      if len(text) > MAX_CHARS:
+        text = text[:MAX_CHARS // 2] + " ... " + text[-MAX_CHARS // 2:]
+      ids = smollm2.tokenizer.encode_prompt(text)
       if rec["category"] not in best or len(ids) < len(best[rec["category"]]):
         best[rec["category"]] = ids
   assert len(best) == 5
+  assert max(len(p) for p in best.values()) <= 256
   return [best[c] for c in sorted(best)]
 
 
@@ -80,9 +87,9 @@ def test_greedy_identity_every_drafter_every_category(smollm2, category_prompts,
 
 
 def test_long_horizon_pit_on_smollm2(smollm2, category_prompts):
-  """Sampled speculative output (T = 0.8, top-p 0.95; layer-skip drafter at T = 1)
+  """Sampled speculative output (T = 0.8, top-k 50; layer-skip drafter at T = 1)
   passes the randomized PIT test against teacher-forced target distributions."""
-  sampling = sampling_lib.SamplingConfig(temperature=0.8, top_p=0.95)
+  sampling = sampling_lib.SamplingConfig(temperature=0.8, top_k=50)
   drafter = LayerSkip(k=3, layers=tuple(range(0, 30, 2)),
                       sampling=sampling_lib.SamplingConfig(temperature=1.0))
   prompt = category_prompts[0]

@@ -266,7 +266,8 @@ def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Seque
   """
   drafter.check(cfg, draft_params)
   tokens, lengths, limits, width, num_slots = ar.prepare(cfg, prompts, max_new_tokens,
-                                                         drafter.k + 1, cache_slots)
+                                                         max(drafter.k + 1, drafter.block),
+                                                         cache_slots)
   keys = batch_lib.request_keys(batch_lib.as_key(key),
                                 batch_lib.request_ids_for(len(prompts), request_ids))
   t0 = time.perf_counter()

@@ -130,6 +130,11 @@ class Drafter:
   name = "drafter"
 
   @property
+  def block(self) -> int:
+    """Cache slots past the committed prefix a round may write (verify: k + 1)."""
+    return self.k + 1
+
+  @property
   def vocab_size(self) -> Optional[int]:
     """The drafter's vocabulary size, if it has one (checked against the target)."""
     return None
