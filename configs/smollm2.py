@@ -4,6 +4,7 @@ Usage:
   python experiments/generate.py --config=configs/smollm2.py --config.prompt="..."
   python experiments/generate.py --config=configs/smollm2.py:sample
   python experiments/generate.py --config=configs/smollm2.py:bf16
+  python experiments/generate.py --config=configs/smollm2.py --config.method=prompt_lookup --config.k=4
 
 Variants (the text after ':'), combinable with '+' (e.g. `sample+bf16`):
   sample  temperature 0.7, top-p 0.9
@@ -27,7 +28,13 @@ def get_config(arg=None):
   c.seed = 0
   c.cache_slots = ml_collections.config_dict.placeholder(int)
   c.repeats = 1  # timed repeats after a compile run
-  c.method = "ar"
+  c.method = "ar"  # or a drafter of specjax.drafters.registry, run against AR interleaved
+  # Speculative settings (read by the method that uses them; None: the method's default).
+  c.k = 4  # draft length
+  c.max_ngram = 3  # prompt_lookup
+  c.min_ngram = 1  # prompt_lookup
+  c.layers = ml_collections.config_dict.placeholder(str)  # layer_skip, e.g. '0-9'
+  c.draft_model = ml_collections.config_dict.placeholder(str)  # draft_model, e.g. 'self:10'
   for variant in (arg or "").split("+"):
     if not variant:
       continue

@@ -24,25 +24,65 @@ def peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _upto_eos(tokens, eos_id) -> list:
+  tokens = list(tokens)
+  return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+def _identical(a, b, eos_id) -> bool:
+  """Token lists equal up to and including the first EOS."""
+  return _upto_eos(a, eos_id) == _upto_eos(b, eos_id)
+
+
 def generate_from_config(c, model: Optional[Model] = None) -> dict:
-  """Run a chat prompt through the configured method; returns text and metrics."""
+  """Run a chat prompt through the configured method; returns text and metrics.
+
+  `c.method` is 'ar' or a drafter name of `specjax.drafters.registry`. A
+  speculative method runs interleaved with the AR baseline in this process
+  (one excluded compile run each, then `repeats` timed runs of each):
+  speedup = median spec decode tokens/s / median AR decode tokens/s.
+  """
+  from specjax.decoding import speculative  # pylint: disable=import-outside-toplevel
+  from specjax.drafters import registry  # pylint: disable=import-outside-toplevel
+
   sampling = sampling_from_config(c)
-  if c.method != "ar":
-    raise ValueError(f"unknown method {c.method!r}; available: ar")
+  methods = ("ar",) + registry.available_methods()
+  if c.method not in methods and c.method != "lookahead":
+    raise ValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
   model = model or load_model(c.model, c.dtype)
   if model.tokenizer is None:
     raise ValueError(f"model {c.model!r} has no tokenizer to encode the prompt")
   prompt = model.tokenizer.encode_prompt(c.prompt, system=c.system)
   prompts = [prompt] * int(c.batch_size)
-  runs = []
-  for _ in range(1 + int(c.repeats)):  # the first run compiles
-    runs.append(autoregressive.generate(model.params, model.cfg, prompts, key=int(c.seed),
-                                        sampling=sampling, max_new_tokens=int(c.max_new_tokens),
-                                        cache_slots=c.cache_slots))
-  timed = runs[1:] or runs
+  new = int(c.max_new_tokens)
+
+  def run_ar():
+    return autoregressive.generate(model.params, model.cfg, prompts, key=int(c.seed),
+                                   sampling=sampling, max_new_tokens=new,
+                                   cache_slots=c.cache_slots)
+
+  ar_runs = [run_ar()]  # the first run compiles
+  spec_runs, run_spec = [], None
+  if c.method != "ar":
+    drafter, draft_params = registry.make_drafter(
+        c.method, c, model, sampling=sampling, reference=ar_runs[0].tokens, reference_width=new)
+    spec = speculative.SpecConfig(sampling=sampling)
+
+    def run_spec():
+      return speculative.generate(model.params, model.cfg, drafter, prompts,
+                                  draft_params=draft_params, key=int(c.seed), spec=spec,
+                                  max_new_tokens=new, cache_slots=c.cache_slots)
+
+    spec_runs.append(run_spec())
+  for _ in range(int(c.repeats)):  # interleaved: both see the same machine load
+    ar_runs.append(run_ar())
+    if run_spec is not None:
+      spec_runs.append(run_spec())
+  main_runs = spec_runs or ar_runs
+  timed = main_runs[1:] or main_runs
   result = timed[-1]
   tps = [r.decode_tokens_per_s for r in timed]
-  return {
+  out = {
       "method": c.method,
       "answer": model.tokenizer.decode(result.tokens[0], skip_special_tokens=True),
       "prompt_tokens": len(prompt),
@@ -51,10 +91,25 @@ def generate_from_config(c, model: Optional[Model] = None) -> dict:
       "tokens_per_s": statistics.median(tps),
       "ms_per_token": 1e3 / statistics.median(tps),
       "time_to_first_token_s": statistics.median(r.prefill_s for r in timed),
-      "compile_and_first_run_s": runs[0].prefill_s + runs[0].decode_s,
+      "compile_and_first_run_s": main_runs[0].prefill_s + main_runs[0].decode_s,
       "dtype": model.cfg.dtype,
       "temperature": sampling.temperature,
       "top_k": sampling.top_k,
       "top_p": sampling.top_p,
-      "peak_rss_mb": peak_rss_mb(),
   }
+  if spec_runs:
+    ar_timed = ar_runs[1:] or ar_runs
+    ar_tps = statistics.median(r.decode_tokens_per_s for r in ar_timed)
+    out.update({
+        "k": drafter.k,
+        "alpha": result.alpha,
+        "tau": result.tau,
+        "ar_tokens_per_s": ar_tps,
+        "speedup": statistics.median(tps) / ar_tps,
+        "greedy_identical": (None if not sampling.greedy else all(
+            _identical(a, b, model.cfg.eos_id)
+            for r in timed for a, b in zip(r.tokens, ar_timed[-1].tokens))),
+        "lossy": result.lossy,
+    })
+  out["peak_rss_mb"] = peak_rss_mb()
+  return out

@@ -1,0 +1,56 @@
+"""The Spec-Bench protocol: speculative methods against the AR baseline, per category.
+
+Usage:
+  python experiments/benchmark.py --config=configs/benchmark.py \
+      --config.methods=prompt_lookup,layer_skip,replay --config.prompt_limit=2
+  python experiments/benchmark.py --config=configs/benchmark.py:sample --config.out=/tmp/b
+
+Variants (the text after ':'), combinable with '+':
+  sample  temperature 0.7, top-p 0.9
+  bf16    bfloat16 weights and cache
+
+Any JSONL file in Spec-Bench's format works (--config.prompts=...). A run
+resumes from `out`/log.jsonl; change `out` when changing the settings.
+"""
+
+import os
+
+import ml_collections
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC_BENCH = os.path.normpath(os.path.join(_REPO, os.pardir, "shared", "data", "spec_bench",
+                                           "question_excl_mtbench.jsonl"))
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.model = "smollm2-135m"
+  c.dtype = "float32"
+  c.prompts = SPEC_BENCH
+  c.methods = "prompt_lookup,layer_skip"  # comma-separated drafters; AR is always run
+  c.prompt_limit = ml_collections.config_dict.placeholder(int)  # per category; None: all
+  c.max_new_tokens = 128
+  c.batch_size = 1  # consecutive questions of one category decoded together
+  c.temperature = 0.0
+  c.top_k = 0
+  c.top_p = 1.0
+  c.seed = 0
+  c.repeats = 3  # timed runs per method and question, interleaved with AR
+  c.out = "/tmp/specjax_benchmark"
+  # Drafter settings (specjax.drafters.registry; None: the method's default).
+  c.k = 4
+  c.max_ngram = 3
+  c.min_ngram = 1
+  c.layers = ml_collections.config_dict.placeholder(str)  # layer_skip, e.g. '0-9'
+  c.draft_model = ml_collections.config_dict.placeholder(str)  # e.g. 'self:10'
+  for variant in (arg or "").split("+"):
+    if not variant:
+      continue
+    if variant == "sample":
+      c.temperature, c.top_p = 0.7, 0.9
+    elif variant == "bf16":
+      c.dtype = "bfloat16"
+    else:
+      raise ValueError(f"unknown variant {variant!r} of configs/benchmark.py (sample, bf16)")
+  c.lock()
+  return c

@@ -1,0 +1,500 @@
+"""The Spec-Bench protocol (Xia et al. 2024, arXiv:2401.07851) on any JSONL file
+in its format: one record per line with `question_id`, `category` and `turns`.
+
+Protocol:
+
+* Every question goes through the chat template; multi-turn questions are
+  answered turn by turn, the assistant's answer to turn i (the AR baseline's,
+  so that every method is timed on the same prompts) appended before turn i+1.
+* Per question (or per batch of `batch_size` consecutive questions of one
+  category) and per turn, the AR baseline and every method run interleaved,
+  `repeats` timed runs each, so all see the same machine load. A method's
+  figures for a question are summed over its turns; its decode time is the
+  median over repeats.
+* Compile runs are excluded: the first time a (method, shape) is seen it runs
+  once with a token limit of 1 (same shapes, no decode steps) untimed.
+  Prompt widths are bucketed to powers of two and cache sizes are derived
+  from the bucket, so each bucket compiles once per method.
+* Timing is decode only (prefill reported apart), as in `GenerateResult`:
+  the tokens after the first over the time after the first.
+* The AR baseline is the library's fastest AR path: one while_loop on
+  device, the smallest cache it needs (block 1), the same prompts and batch.
+* `replay`'s reference is the AR output of the same prompt.
+
+Aggregation per method and category (and over all categories, 'all'):
+
+  tokens_per_s     = total decode tokens / total decode time (medians over repeats)
+  ar_tokens_per_s  = the same for the interleaved AR runs
+  speedup          = tokens_per_s / ar_tokens_per_s
+  speedup_iqr      = [q1, q3] of the per-question speedups (each question's
+                     tokens/s ratio), the spread across prompts
+  tau              = tokens per target verify forward (bonus included)
+  alpha            = accepted / evaluated guesses
+  greedy_identical = every output equals AR's token for token (None when sampling)
+
+Resume: every finished (question, method) is appended to `out/log.jsonl`; a
+restart with the same settings skips what is there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.decoding import autoregressive as ar
+from specjax.decoding import batch as batch_lib
+from specjax.decoding import speculative as sp
+from specjax.drafters import registry
+from specjax.io.load import Model, load_model
+from specjax.models.cache import round_up
+
+LOG = "log.jsonl"
+ALL = "all"
+# Request ids (key derivation): question_id * TURN_IDS + turn.
+TURN_IDS = 16
+# Settings that change a record's numbers; a resumed log must match them.
+SETTINGS = ("model", "dtype", "k", "temperature", "top_k", "top_p", "batch_size",
+            "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class Question:
+  question_id: int
+  category: str
+  turns: tuple
+
+
+def load_questions(path: str, prompt_limit: Optional[int] = None) -> List[Question]:
+  """Questions in file order; at most `prompt_limit` per category (None/0: all)."""
+  out, seen = [], {}
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      rec = json.loads(line)
+      for field in ("question_id", "category", "turns"):
+        if field not in rec:
+          raise ValueError(f"{path}:{n}: record has no {field!r} (Spec-Bench JSONL expected)")
+      if not rec["turns"] or not all(isinstance(t, str) for t in rec["turns"]):
+        raise ValueError(f"{path}:{n}: 'turns' must be a non-empty list of strings")
+      cat = str(rec["category"])
+      if prompt_limit and seen.get(cat, 0) >= prompt_limit:
+        continue
+      seen[cat] = seen.get(cat, 0) + 1
+      out.append(Question(int(rec["question_id"]), cat, tuple(rec["turns"])))
+  if not out:
+    raise ValueError(f"{path}: no questions")
+  return out
+
+
+def make_units(questions: Sequence[Question], batch_size: int) -> List[tuple]:
+  """Batches of up to `batch_size` consecutive questions of one category."""
+  units, cur = [], []
+  for q in questions:
+    if cur and (len(cur) == batch_size or cur[0].category != q.category):
+      units.append(tuple(cur))
+      cur = []
+    cur.append(q)
+  if cur:
+    units.append(tuple(cur))
+  return units
+
+
+def unit_id(unit: Sequence[Question]) -> str:
+  return "+".join(str(q.question_id) for q in unit)
+
+
+def slot_bucket(cfg, prompt_width: int, max_new_tokens: int, block: int) -> int:
+  """Cache slots as a function of the (bucketed) prompt width only: one compile
+  per bucket instead of one per prompt length."""
+  return min(round_up(prompt_width + max_new_tokens + block, batch_lib.SLOT_MULTIPLE),
+             max(cfg.max_seq_len, prompt_width))
+
+
+def _upto_eos(tokens, eos_id):
+  tokens = list(tokens)
+  return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+class Engine:
+  """Runs AR or one drafter on a batch of prompts with bucketed shapes and
+  excluded compiles; counts what it generated."""
+
+  def __init__(self, model: Model, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
+               seed: int):
+    self.model, self.sampling, self.max_new, self.seed = model, sampling, max_new_tokens, seed
+    self.spec = sp.SpecConfig(sampling=sampling)
+    self.seen = set()
+    self.compile_s = 0.0
+    self.runs = 0
+
+  def run(self, drafter, draft_params, prompts, request_ids):
+    cfg = self.model.cfg
+    block = 1 if drafter is None else max(drafter.k + 1, getattr(drafter, "block", 0))
+    tokens, lengths, limits, width, slots = ar.prepare(cfg, prompts, self.max_new, block)
+    slots = max(slots, slot_bucket(cfg, tokens.shape[1], width, block))
+    if drafter is not None:
+      drafter.check(cfg, draft_params)
+    args = (tokens, lengths, request_ids, width, slots)
+    shape = (drafter, tokens.shape, slots,
+             tuple(np.shape(x) for x in jax.tree.leaves(draft_params)))
+    if shape not in self.seen:  # compile with a limit of one token: no decode steps
+      t0 = time.perf_counter()
+      self._generate(drafter, draft_params, *args, np.ones_like(limits))
+      self.compile_s += time.perf_counter() - t0
+      self.seen.add(shape)
+    self.runs += 1
+    return self._generate(drafter, draft_params, *args, limits)
+
+  def _generate(self, drafter, draft_params, tokens, lengths, request_ids, width, slots, limits):
+    # `autoregressive.generate` / `speculative.generate` with the cache size fixed
+    # by the bucket (theirs follows each prompt's exact length).
+    params, cfg = self.model.params, self.model.cfg
+    keys = batch_lib.request_keys(batch_lib.as_key(self.seed),
+                                  batch_lib.request_ids_for(len(lengths), request_ids))
+    tokens, lengths, limits = jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(limits)
+    t0 = time.perf_counter()
+    if drafter is None:
+      state = ar.prefill(params, cfg, keys, tokens, lengths, limits, num_slots=slots,
+                         sampling=self.sampling, max_new_tokens=width)
+      state.num_tokens.block_until_ready()
+      t1 = time.perf_counter()
+      state = ar.decode(params, cfg, state, sampling=self.sampling)
+      out, num = jax.device_get((state.tokens, state.num_tokens))
+      t2 = time.perf_counter()
+      return ar.GenerateResult(tokens=ar.unpack(out, num), prefill_s=t1 - t0, decode_s=t2 - t1,
+                               num_slots=slots, stats={"decode_steps": int(state.step)})
+    state = sp.prefill(params, cfg, drafter, draft_params, keys, tokens, lengths, limits,
+                       num_slots=slots, spec=self.spec, max_new_tokens=width)
+    state.num_tokens.block_until_ready()
+    t1 = time.perf_counter()
+    state = sp.decode(params, cfg, drafter, draft_params, state, spec=self.spec)
+    history, length, plen = jax.device_get((state.history, state.length, state.prompt_len))
+    t2 = time.perf_counter()
+    out = [history[i, plen[i]:length[i]].tolist() for i in range(len(lengths))]
+    return sp.SpecResult(tokens=out, prefill_s=t1 - t0, decode_s=t2 - t1, num_slots=slots,
+                         stats=sp._summarize(state), lossy=self.spec.lossy)  # pylint: disable=protected-access
+
+
+def _decode_tokens(result) -> int:
+  return sum(max(len(t) - 1, 0) for t in result.tokens)
+
+
+def _new_record(unit, method, repeats, settings_id):
+  rec = {"unit": unit_id(unit), "question_ids": [q.question_id for q in unit],
+         "category": unit[0].category, "method": method, "settings": settings_id,
+         "turns": max(len(q.turns) for q in unit), "prompt_tokens": [],
+         "decode_tokens": 0, "decode_s": [0.0] * repeats, "prefill_s": [0.0] * repeats,
+         "tokens": []}
+  if method != "ar":
+    rec.update({"ar_decode_tokens": 0, "ar_decode_s": [0.0] * repeats,
+                "stats": {"rounds": 0, "emitted": 0, "proposed": 0, "accepted": 0},
+                "identical": True})
+  return rec
+
+
+def chat_messages(turns: Sequence[str], answers: Sequence[str]) -> List[dict]:
+  """The conversation up to the last of `turns`: user turn i, then answer i."""
+  msgs = []
+  for i, turn in enumerate(turns):
+    msgs.append({"role": "user", "content": turn})
+    if i < len(turns) - 1:
+      msgs.append({"role": "assistant", "content": answers[i]})
+  return msgs
+
+
+def _run_unit(engine: Engine, c, unit, methods: Sequence[str], ar_done: Optional[dict],
+              settings_id: str, repeats: int, note: Callable[[str, int, int], None]):
+  """AR + `methods` interleaved on one unit -> records (AR's only if not done)."""
+  model = engine.model
+  tok, eos = model.tokenizer, model.cfg.eos_id
+  recs = {m: _new_record(unit, m, repeats, settings_id) for m in ["ar", *methods]}
+  recs["ar"]["answers"] = []
+  built = {}
+  answers = [[] for _ in unit]  # per row: AR's answer text of each turn so far
+  for t in range(recs["ar"]["turns"]):
+    rows = [i for i, q in enumerate(unit) if t < len(q.turns)]
+    prompts = [tok.encode_chat(chat_messages(unit[i].turns[:t + 1], answers[i])) for i in rows]
+    ids = [unit[i].question_id * TURN_IDS + t for i in rows]
+    ref = ar_done["tokens"][t] if ar_done else None
+    for rec in recs.values():
+      rec["prompt_tokens"].append([len(p) for p in prompts])
+    for r in range(repeats):
+      note("ar", t, r)
+      res = engine.run(None, None, prompts, ids)
+      ref = ref or res.tokens
+      _add(recs["ar"], r, res, res)
+      for m in methods:
+        recs[m]["ar_decode_s"][r] += res.decode_s
+        if r == 0:
+          recs[m]["ar_decode_tokens"] += _decode_tokens(res)
+      shift = r % max(len(methods), 1)  # rotate the order across repeats
+      for m in list(methods[shift:]) + list(methods[:shift]):
+        if m not in built or m == "replay":
+          built[m] = registry.make_drafter(m, c, model, sampling=engine.sampling, reference=ref,
+                                           reference_width=engine.max_new)
+        note(m, t, r)
+        _add(recs[m], r, engine.run(*built[m], prompts, ids), ref, eos)
+    texts = [tok.decode(x, skip_special_tokens=True) for x in ref]
+    recs["ar"]["answers"].append(texts)
+    for j, i in enumerate(rows):
+      answers[i].append(texts[j])
+  for m in methods:
+    if not engine.sampling.greedy:
+      recs[m]["identical"] = None
+  return [recs[m] for m in methods] + ([] if ar_done else [recs["ar"]])
+
+
+def _add(rec, r, res, ref, eos=None):
+  rec["decode_s"][r] += res.decode_s
+  rec["prefill_s"][r] += res.prefill_s
+  if r:
+    return
+  rec["decode_tokens"] += _decode_tokens(res)
+  rec["tokens"].append(res.tokens)
+  if "stats" in rec:
+    for key in rec["stats"]:
+      rec["stats"][key] += res.stats[key]
+    rec["identical"] = rec["identical"] and all(
+        _upto_eos(a, eos) == _upto_eos(b, eos) for a, b in zip(res.tokens, ref))
+
+
+# --- aggregation and reports --------------------------------------------------------
+
+
+def _quartiles(v):
+  v = sorted(x for x in v if math.isfinite(x))
+  if not v:
+    return [None, None]
+  if len(v) == 1:
+    return [v[0], v[0]]
+  q1, _, q3 = statistics.quantiles(v, n=4, method="inclusive")
+  return [q1, q3]
+
+
+def _ratio(a, b):
+  return a / b if b else float("nan")
+
+
+def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict) -> List[dict]:
+  """One result per method x category (plus 'all') from per-question records."""
+  out = []
+  cats = list(dict.fromkeys(r["category"] for r in records))
+  for m in methods:
+    mine = [r for r in records if r["method"] == m]
+    for cat in cats + [ALL]:
+      rs = [r for r in mine if cat in (ALL, r["category"])]
+      if not rs:
+        continue
+      dec = [statistics.median(r["decode_s"]) for r in rs]
+      ar_dec = [statistics.median(r["ar_decode_s"]) for r in rs]
+      tps = _ratio(sum(r["decode_tokens"] for r in rs), sum(dec))
+      ar_tps = _ratio(sum(r["ar_decode_tokens"] for r in rs), sum(ar_dec))
+      per_q = [_ratio(_ratio(r["decode_tokens"], d), _ratio(r["ar_decode_tokens"], a))
+               for r, d, a in zip(rs, dec, ar_dec)]
+      st = {k: sum(r["stats"][k] for r in rs) for k in ("rounds", "emitted", "proposed",
+                                                          "accepted")}
+      ident = [r["identical"] for r in rs]
+      out.append({
+          "method": m, "category": cat,
+          "speedup": _ratio(tps, ar_tps), "speedup_iqr": _quartiles(per_q),
+          "tau": _ratio(st["emitted"], st["rounds"]),
+          "alpha": _ratio(st["accepted"], st["proposed"]),
+          "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
+          "greedy_identical": None if None in ident else all(ident),
+          "num_prompts": sum(len(r["question_ids"]) for r in rs),
+          **meta,
+      })
+  return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+           for k, v in row.items()} for row in out]
+
+
+def _fmt(x, spec="{:.2f}"):
+  return "-" if x is None else spec.format(x)
+
+
+def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> str:
+  if not results:
+    return "(no results)\n"
+  r0 = results[0]
+  lines = [
+      f"Spec-Bench protocol: {r0['precision']}, k={r0['k']}, temperature={r0['temperature']}, "
+      f"top_k={r0['top_k']}, top_p={r0['top_p']}, batch_size={r0['batch_size']}, "
+      f"max_new_tokens={r0['max_new_tokens']}, seed={r0['seed']}, commit={r0['commit']}",
+      f"hardware: {r0['hardware']}",
+      "",
+      "| method | category | prompts | speedup | IQR (per prompt) | tau | alpha | tok/s | "
+      "AR tok/s | greedy identical |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in results:
+    q1, q3 = r["speedup_iqr"]
+    lines.append(
+        f"| {r['method']} | {r['category']} | {r['num_prompts']} | {_fmt(r['speedup'])}x | "
+        f"{_fmt(q1)}-{_fmt(q3)} | {_fmt(r['tau'])} | {_fmt(r['alpha'])} | "
+        f"{_fmt(r['tokens_per_s'], '{:.1f}')} | {_fmt(r['ar_tokens_per_s'], '{:.1f}')} | "
+        f"{'-' if r['greedy_identical'] is None else r['greedy_identical']} |")
+  if extra:
+    lines += ["", ", ".join(f"{k}: {v}" for k, v in extra.items())]
+  return "\n".join(lines) + "\n"
+
+
+def plot_speedup(results: Sequence[dict], path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  methods = list(dict.fromkeys(r["method"] for r in results))
+  cats = list(dict.fromkeys(r["category"] for r in results))
+  width = 0.8 / max(len(methods), 1)
+  fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cats) * max(1, len(methods) / 2)), 4))
+  for i, m in enumerate(methods):
+    rows = {r["category"]: r for r in results if r["method"] == m}
+    xs = [j + (i - (len(methods) - 1) / 2) * width for j, c in enumerate(cats) if c in rows]
+    ys = [rows[c]["speedup"] or 0.0 for c in cats if c in rows]
+    lo = [max(y - (rows[c]["speedup_iqr"][0] or y), 0) for c, y in zip(
+        [c for c in cats if c in rows], ys)]
+    hi = [max((rows[c]["speedup_iqr"][1] or y) - y, 0) for c, y in zip(
+        [c for c in cats if c in rows], ys)]
+    ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=m)
+  ax.axhline(1.0, color="k", lw=0.8, ls="--")
+  ax.set_xticks(range(len(cats)), cats)
+  ax.set_ylabel("decode speedup over AR (IQR across prompts)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def git_commit() -> Optional[str]:
+  try:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(__file__),
+                          capture_output=True, text=True, check=True,
+                          timeout=10).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
+def hardware() -> dict:
+  dev = jax.devices()[0]
+  return {"platform": platform.platform(), "machine": platform.machine(),
+          "cpu_count": os.cpu_count(), "jax_backend": jax.default_backend(),
+          "device_kind": dev.device_kind, "jax": jax.__version__}
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+def _settings(c) -> dict:
+  return {k: (c[k] if k in c else None) for k in SETTINGS}
+
+
+def read_log(path: str) -> List[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _clock(s: float) -> str:
+  s = int(s)
+  return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def run_benchmark(c, model: Optional[Model] = None,
+                  progress: Optional[Callable[[str], None]] = None) -> dict:
+  """Run (or resume) the benchmark of config `c` (see configs/benchmark.py).
+
+  Writes `c.out`/log.jsonl, results.json, results.md, speedup.png. Returns
+  {"results": [...], "markdown": str, "runs": generations this call, ...}.
+  """
+  t_start = time.perf_counter()
+  commit = git_commit()  # the code this process runs, before anyone commits more
+  progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+  methods = [m.strip() for m in str(c.methods).split(",") if m.strip()]
+  if not methods:
+    raise ValueError("no methods given (e.g. methods='prompt_lookup,layer_skip')")
+  for m in methods:  # fail before any work on an unknown method or a bad k
+    if m == "ar" or m not in registry.available_methods() + ("lookahead",):
+      raise ValueError(f"unknown method {m!r} (AR is always the baseline); available: "
+                       f"{', '.join(registry.available_methods())}")
+  if any(m != "lookahead" for m in methods) and (not isinstance(c.k, int) or c.k < 1):
+    raise ValueError(f"draft length k must be an integer >= 1, got {c.k!r}")
+  repeats, batch_size = int(c.repeats), int(c.batch_size)
+  if repeats < 1 or batch_size < 1:
+    raise ValueError(f"repeats and batch_size must be >= 1, got {repeats}, {batch_size}")
+  sampling = registry.sampling_of(c)
+  units = make_units(load_questions(c.prompts, c.prompt_limit), batch_size)
+  os.makedirs(c.out, exist_ok=True)
+  settings = _settings(c)
+  settings_id = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+  log_path = os.path.join(c.out, LOG)
+  old = read_log(log_path)
+  if any(r["settings"] != settings_id for r in old):
+    raise ValueError(f"{log_path} holds results of other settings; use another `out` "
+                     f"directory (settings now: {settings})")
+  with open(os.path.join(c.out, "settings.json"), "w") as f:
+    json.dump(settings, f, indent=1)
+  done = {(r["unit"], r["method"]): r for r in old}
+
+  engine = None
+  todo = [u for u in units if any((unit_id(u), m) not in done for m in ["ar", *methods])]
+  total_q = sum(len(u) for u in units)
+  q_done = total_q - sum(len(u) for u in todo)
+  t_work = time.perf_counter()
+  for n, unit in enumerate(todo):
+    if engine is None:
+      model = model or load_model(c.model, c.dtype)
+      engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed))
+    missing = [m for m in methods if (unit_id(unit), m) not in done]
+    eta = ("?" if n == 0 else
+           _clock((time.perf_counter() - t_work) / n * (len(todo) - n)))
+
+    def note(m, t, r, unit=unit, eta=eta):
+      progress(f"[{q_done}/{total_q} prompts] {unit[0].category} q{unit_id(unit)} "
+               f"turn {t + 1} {m} repeat {r + 1}/{repeats} | elapsed "
+               f"{_clock(time.perf_counter() - t_start)}, ETA {eta}")
+
+    recs = _run_unit(engine, c, unit, missing, done.get((unit_id(unit), "ar")), settings_id,
+                     repeats, note)
+    with open(log_path, "a") as f:
+      for rec in recs:
+        f.write(json.dumps(rec) + "\n")
+        done[(rec["unit"], rec["method"])] = rec
+    q_done += len(unit)
+
+  wanted = {unit_id(u) for u in units}
+  records = [r for (u, m), r in done.items() if u in wanted and m in methods]
+  meta = {
+      "temperature": sampling.temperature, "batch_size": batch_size, "k": c.k,
+      "top_k": sampling.top_k, "top_p": sampling.top_p,
+      "precision": engine.model.cfg.dtype if engine else str(c.dtype),
+      "seed": int(c.seed), "max_new_tokens": int(c.max_new_tokens), "checkpoint": None,
+      "commit": commit, "hardware": hardware(),
+  }
+  results = summarize(records, methods, meta)
+  extra = {"repeats": repeats, "runtime_s": round(time.perf_counter() - t_start, 1),
+           "compile_s": round(engine.compile_s, 1) if engine else 0.0,
+           "timed_runs_this_call": engine.runs if engine else 0}
+  md = format_markdown(results, extra)
+  with open(os.path.join(c.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=1)
+  with open(os.path.join(c.out, "results.md"), "w") as f:
+    f.write(md)
+  plot_speedup(results, os.path.join(c.out, "speedup.png"))
+  return {"results": results, "markdown": md, "runs": extra["timed_runs_this_call"],
+          "runtime_s": extra["runtime_s"], "compile_s": extra["compile_s"]}

@@ -1,0 +1,170 @@
+"""Drafters by name: one place that turns a config's method name and fields into
+a drafter and its parameters, so every experiment builds them the same way.
+
+  drafter, draft_params = make_drafter("prompt_lookup", config, target_model)
+
+`config` is any object or mapping with the fields a method reads (missing or
+None fields take the defaults below); it is typically the run's ConfigDict:
+
+  prompt_lookup  k, max_ngram, min_ngram
+  layer_skip     k, layers ('0-9', '0,2,4', 'every2'; default the first third)
+  draft_model    k, draft_model: 'self:N' (the target's first N layers, final
+                 norm and LM head as a separate model with its own cache;
+                 default 'self:<num_layers // 3>') or a model name / GGUF / HF
+                 directory that `specjax.io.load.load_model` understands
+  replay         k; the reference continuations (`reference=`, e.g. the AR output)
+  always_reject  k
+  lookahead      k and the fields `specjax.drafters.lookahead.Lookahead` declares
+                 (available once that module exists)
+
+Drafters that sample (draft model, layer skip) draw with the target's own
+sampling settings, read from the config's temperature / top_k / top_p unless
+`sampling=` is given: one SamplingConfig for draft and target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+from typing import Any, Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.drafters.base import Drafter
+from specjax.drafters.draft_model import DraftModel
+from specjax.drafters.layer_skip import LayerSkip, parse_layers
+from specjax.drafters.prompt_lookup import PromptLookup
+from specjax.drafters.replay import AlwaysReject, Replay, ReplayParams
+
+BUILTIN = ("prompt_lookup", "layer_skip", "draft_model", "replay", "always_reject")
+LOOKAHEAD_MODULE = "specjax.drafters.lookahead"
+
+
+def available_methods() -> tuple:
+  """Method names make_drafter accepts here (lookahead only once its module exists)."""
+  if importlib.util.find_spec(LOOKAHEAD_MODULE) is not None:
+    return BUILTIN + ("lookahead",)
+  return BUILTIN
+
+
+def _field(config, name: str, default=None):
+  """config.name or config[name]; missing or None -> default."""
+  if config is None:
+    return default
+  if isinstance(config, dict):
+    value = config.get(name)
+  else:
+    try:
+      value = getattr(config, name)
+    except (AttributeError, KeyError):
+      value = None
+  return default if value is None else value
+
+
+def _k(config) -> int:
+  k = _field(config, "k", 4)
+  return int(k) if isinstance(k, (int, np.integer)) and not isinstance(k, bool) else k
+
+
+def sampling_of(config) -> sampling_lib.SamplingConfig:
+  """The target's sampling settings named by a config (greedy when absent)."""
+  return sampling_lib.SamplingConfig(temperature=float(_field(config, "temperature", 0.0)),
+                                     top_k=int(_field(config, "top_k", 0)),
+                                     top_p=float(_field(config, "top_p", 1.0)))
+
+
+def default_layers(num_layers: int) -> str:
+  """The first third of the layers (at least one), as a layer string."""
+  return f"0-{max(1, num_layers // 3) - 1}"
+
+
+def truncated_model(params, cfg, num_layers: int):
+  """The target's first `num_layers` layers + final norm + LM head as a model of
+  its own: (params, cfg). Arrays are shared with the target, not copied."""
+  if not 1 <= num_layers <= cfg.num_layers:
+    raise ValueError(f"draft_model 'self:N' needs 1 <= N <= {cfg.num_layers}, got {num_layers}")
+  sub = {k: v for k, v in params.items() if k != "layers"}
+  sub["layers"] = list(params["layers"][:num_layers])
+  return sub, cfg.replace(num_layers=num_layers)
+
+
+def _draft_model(spec: str, target_model):
+  if spec.startswith("self:"):
+    try:
+      n = int(spec[len("self:"):])
+    except ValueError:
+      raise ValueError(f"draft_model {spec!r}: expected 'self:N' with an integer N") from None
+    return truncated_model(target_model.params, target_model.cfg, n)
+  from specjax.io.load import load_model  # pylint: disable=import-outside-toplevel
+
+  draft = load_model(spec, target_model.cfg.dtype)
+  return draft.params, draft.cfg
+
+
+def reference_params(continuations: Sequence[Sequence[int]], width: Optional[int] = None,
+                     pad_id: int = 0) -> ReplayParams:
+  """Replay's params padded to a fixed `width` (a fixed shape compiles once)."""
+  longest = max((len(c) for c in continuations), default=0)
+  width = max(1, longest, width or 0)
+  arr = np.full((len(continuations), width), pad_id, np.int32)
+  for i, c in enumerate(continuations):
+    arr[i, :len(c)] = c
+  return ReplayParams(jnp.asarray(arr), jnp.asarray([len(c) for c in continuations], jnp.int32))
+
+
+def _lookahead(config, k: int):
+  try:
+    module = importlib.import_module(LOOKAHEAD_MODULE)
+  except ModuleNotFoundError as e:
+    if e.name != LOOKAHEAD_MODULE:
+      raise
+    raise ValueError("method 'lookahead' is not available: specjax/drafters/lookahead.py does "
+                     f"not exist yet; available: {', '.join(available_methods())}") from None
+  cls = getattr(module, "Lookahead")
+  kwargs = {f.name: _field(config, f.name) for f in dataclasses.fields(cls)
+            if f.init and f.name != "k" and _field(config, f.name) is not None}
+  return cls(k=k, **kwargs)
+
+
+def make_drafter(method: str, config, target_model, *, reference=None,
+                 sampling: Optional[sampling_lib.SamplingConfig] = None,
+                 reference_width: Optional[int] = None) -> tuple[Drafter, Any]:
+  """Build the drafter named `method` -> (drafter, draft_params).
+
+  Args:
+    method: one of `available_methods()`.
+    config: fields of the method (see the module docstring).
+    target_model: a `specjax.io.load.Model` (params, cfg) the drafter serves.
+    reference: replay only: per-row reference continuations (token lists).
+    sampling: the target's sampling settings (default: from the config).
+    reference_width: replay only: pad the references to this many tokens.
+  """
+  methods = available_methods()
+  if method not in methods and method != "lookahead":
+    raise ValueError(f"unknown drafting method {method!r}; available: {', '.join(methods)}")
+  k = _k(config)
+  sampling = sampling or sampling_of(config)
+  cfg = target_model.cfg
+  if method == "prompt_lookup":
+    return PromptLookup(k=k, max_ngram=int(_field(config, "max_ngram", 3)),
+                        min_ngram=int(_field(config, "min_ngram", 1))), None
+  if method == "layer_skip":
+    layers = parse_layers(_field(config, "layers", default_layers(cfg.num_layers)),
+                          cfg.num_layers)
+    return LayerSkip(k=k, layers=layers, sampling=sampling), None
+  if method == "draft_model":
+    spec = str(_field(config, "draft_model", f"self:{max(1, cfg.num_layers // 3)}"))
+    draft_params, draft_cfg = _draft_model(spec, target_model)
+    return DraftModel(k=k, cfg=draft_cfg, sampling=sampling), draft_params
+  if method == "replay":
+    drafter = Replay(k=k)
+    if reference is None:
+      raise ValueError("method 'replay' needs reference continuations (reference=...), e.g. "
+                       "the autoregressive output for the same prompts")
+    return drafter, reference_params(reference, reference_width, cfg.pad_id)
+  if method == "always_reject":
+    return AlwaysReject(k=k), None
+  return _lookahead(config, k), None

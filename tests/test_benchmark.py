@@ -1,0 +1,163 @@
+"""The Spec-Bench protocol end to end on the real model, with a tiny fixture file
+(two categories, one two-turn question), plus the drafter registry's errors.
+
+One benchmark run (AR, prompt lookup, replay; 8 new tokens; every prompt in
+one shape bucket so each method compiles once) is shared by the tests; a
+second run over the same `out` must resume without generating anything.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from specjax.benchmarks import specbench
+from specjax.drafters import registry
+
+pytestmark = pytest.mark.slow
+
+# Short prompts: every turn (the second one with the first answer) fits the
+# 64-token bucket, so each method compiles once.
+QUESTIONS = [
+    {"question_id": 2, "category": "copy", "turns": ["Name a color.", "Name another one."]},
+    {"question_id": 3, "category": "count", "turns": ["Count from one to five."]},
+]
+METHODS = ("prompt_lookup", "replay")
+FIELDS = ("method", "category", "speedup", "tau", "alpha", "tokens_per_s", "ar_tokens_per_s",
+          "greedy_identical", "num_prompts", "temperature", "batch_size", "k", "top_k", "top_p",
+          "precision", "seed", "max_new_tokens", "checkpoint", "speedup_iqr", "commit",
+          "hardware")
+
+
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "benchmark.py")
+
+
+def _config(tmp_path, **overrides):
+  path = tmp_path / "questions.jsonl"
+  path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+  spec = importlib.util.spec_from_file_location("benchmark_config", CONFIG_FILE)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  c.prompts = str(path)
+  c.methods = ",".join(METHODS)
+  c.max_new_tokens = 8
+  c.repeats = 1
+  c.out = str(tmp_path / "out")
+  for k, v in overrides.items():
+    setattr(c, k, v)
+  return c
+
+
+@pytest.fixture(scope="module")
+def bench(smollm2, tmp_path_factory):
+  c = _config(tmp_path_factory.mktemp("bench"))
+  first = specbench.run_benchmark(c, model=smollm2, progress=lambda line: None)
+  with open(os.path.join(c.out, specbench.LOG)) as f:
+    log_after_first = f.read()
+  second = specbench.run_benchmark(c, model=smollm2, progress=lambda line: None)
+  return c, first, second, log_after_first
+
+
+def test_results_files_and_schema(bench):
+  c, first, _, _ = bench
+  with open(os.path.join(c.out, "results.json")) as f:
+    results = json.load(f)
+  assert results == json.loads(json.dumps(first["results"]))
+  assert {(r["method"], r["category"]) for r in results} == {
+      (m, cat) for m in METHODS for cat in ("copy", "count", specbench.ALL)}
+  for r in results:
+    assert set(FIELDS) <= set(r), set(FIELDS) - set(r)
+    assert r["speedup"] > 0 and r["tokens_per_s"] > 0 and r["ar_tokens_per_s"] > 0
+    q1, q3 = r["speedup_iqr"]
+    assert q1 <= q3
+    assert r["checkpoint"] is None and r["precision"] == "float32"
+    assert (r["k"], r["max_new_tokens"], r["batch_size"], r["temperature"]) == (4, 8, 1, 0.0)
+    assert r["hardware"]["cpu_count"] == os.cpu_count()
+  by = {(r["method"], r["category"]): r for r in results}
+  assert by[("replay", "all")]["num_prompts"] == 2 and by[("replay", "copy")]["num_prompts"] == 1
+  md = open(os.path.join(c.out, "results.md")).read()
+  assert "| prompt_lookup | count |" in md
+  assert os.path.getsize(os.path.join(c.out, "speedup.png")) > 1000
+
+
+def test_greedy_outputs_identical_and_replay_accepts_everything(bench):
+  _, first, _, _ = bench
+  for r in first["results"]:
+    assert r["greedy_identical"] is True, r
+  replay = next(r for r in first["results"] if (r["method"], r["category"]) == ("replay", "all"))
+  assert replay["alpha"] == 1.0  # the AR output itself, under greedy
+  assert replay["tau"] > 1.0
+
+
+def test_two_turn_prompt_contains_first_answer(bench, smollm2):
+  c, _, _, log = bench
+  recs = [json.loads(line) for line in log.splitlines()]
+  ar = next(r for r in recs if (r["unit"], r["method"]) == ("2", "ar"))
+  assert ar["turns"] == 2 and len(ar["answers"]) == 2 and len(ar["tokens"]) == 2
+  first_answer = ar["answers"][0][0]
+  assert first_answer.strip()
+  prompt = smollm2.tokenizer.encode_chat(
+      specbench.chat_messages(QUESTIONS[0]["turns"], [first_answer]))
+  assert len(prompt) == ar["prompt_tokens"][1][0] > ar["prompt_tokens"][0][0]
+  text = smollm2.tokenizer.decode(prompt)
+  assert text.index("Name a color.") < text.index(first_answer) < text.index("Name another one.")
+  # Every method saw the same turn-2 prompt and produced tokens for both turns.
+  for m in METHODS:
+    rec = next(r for r in recs if (r["unit"], r["method"]) == ("2", m))
+    assert rec["prompt_tokens"] == ar["prompt_tokens"] and len(rec["tokens"]) == 2
+
+
+def test_resume_generates_nothing(bench):
+  c, first, second, log = bench
+  assert first["runs"] > 0
+  assert second["runs"] == 0
+  with open(os.path.join(c.out, specbench.LOG)) as f:
+    assert f.read() == log
+  units = {(json.loads(line)["unit"], json.loads(line)["method"]) for line in log.splitlines()}
+  assert len(units) == len(log.splitlines()) == len(QUESTIONS) * (1 + len(METHODS))
+  assert second["results"] == first["results"]
+
+
+def test_resume_refuses_other_settings(bench, smollm2, tmp_path):
+  c, _, _, _ = bench
+  c2 = _config(tmp_path, out=c.out, max_new_tokens=9)
+  with pytest.raises(ValueError, match="other settings"):
+    specbench.run_benchmark(c2, model=smollm2, progress=lambda line: None)
+
+
+def test_registry_errors(smollm2, tmp_path):
+  with pytest.raises(ValueError, match="unknown drafting method 'nope'.*prompt_lookup"):
+    registry.make_drafter("nope", {"k": 4}, smollm2)
+  with pytest.raises(ValueError, match="k must be an integer >= 1"):
+    registry.make_drafter("prompt_lookup", {"k": 0}, smollm2)
+  with pytest.raises(ValueError, match="needs reference"):
+    registry.make_drafter("replay", {"k": 4}, smollm2)
+  with pytest.raises(ValueError, match="self:N"):
+    registry.make_drafter("draft_model", {"draft_model": "self:99"}, smollm2)
+  with pytest.raises(ValueError, match="unknown method 'nope'"):
+    specbench.run_benchmark(_config(tmp_path, methods="prompt_lookup,nope"), model=smollm2)
+  with pytest.raises(ValueError, match="k must be an integer >= 1"):
+    specbench.run_benchmark(_config(tmp_path, k=0), model=smollm2)
+
+
+def test_registry_builds_every_method(smollm2):
+  cfg = smollm2.cfg
+  d, p = registry.make_drafter("layer_skip", {"k": 3}, smollm2)
+  assert d.layers == tuple(range(cfg.num_layers // 3)) and p is None
+  d, p = registry.make_drafter("draft_model", {"k": 2, "draft_model": "self:5"}, smollm2)
+  assert d.cfg.num_layers == 5 and len(p["layers"]) == 5
+  assert p["layers"][0] is smollm2.params["layers"][0]  # shared, not copied
+  d, p = registry.make_drafter("replay", {"k": 2}, smollm2, reference=[[5, 6, 7]],
+                               reference_width=8)
+  assert p.tokens.shape == (1, 8) and int(p.length[0]) == 3
+  d, _ = registry.make_drafter("prompt_lookup", {"k": 5, "max_ngram": 2}, smollm2)
+  assert (d.k, d.max_ngram, d.min_ngram) == (5, 2, 1)
+  d, _ = registry.make_drafter("always_reject", {"k": 1}, smollm2)
+  assert d.k == 1
+  sampled, _ = registry.make_drafter("layer_skip", {"temperature": 0.7, "top_p": 0.9}, smollm2)
+  assert sampled.sampling.temperature == 0.7 and sampled.sampling.top_p == 0.9
+  if "lookahead" in registry.available_methods():
+    d, _ = registry.make_drafter("lookahead", {"k": 3}, smollm2)
+    assert d.name == "lookahead" and d.k == 3
