@@ -160,20 +160,20 @@ def gguf_tensors(cfg, params: dict) -> Dict[str, np.ndarray]:
   h, g, dh, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
   out = {"token_embd.weight": params["embed"]}
   for i, p in enumerate(params["layers"]):
-    wqkv = p["wqkv"].T
+    wqkv = p["wqkv"]
     out.update({
         f"blk.{i}.attn_norm.weight": p["attn_norm"],
         f"blk.{i}.attn_q.weight": permute_rotary(wqkv[:h * dh], h),
         f"blk.{i}.attn_k.weight": permute_rotary(wqkv[h * dh:(h + g) * dh], g),
         f"blk.{i}.attn_v.weight": wqkv[(h + g) * dh:],
-        f"blk.{i}.attn_output.weight": p["wo"].T,
+        f"blk.{i}.attn_output.weight": p["wo"],
         f"blk.{i}.ffn_norm.weight": p["mlp_norm"],
-        f"blk.{i}.ffn_gate.weight": p["w_gate_up"][:, :f].T,
-        f"blk.{i}.ffn_up.weight": p["w_gate_up"][:, f:].T,
-        f"blk.{i}.ffn_down.weight": p["w_down"].T,
+        f"blk.{i}.ffn_gate.weight": p["w_gate_up"][:f],
+        f"blk.{i}.ffn_up.weight": p["w_gate_up"][f:],
+        f"blk.{i}.ffn_down.weight": p["w_down"],
     })
   if not cfg.tie_embeddings:
-    out["output.weight"] = params["lm_head"].T
+    out["output.weight"] = params["lm_head"]
   out["output_norm.weight"] = params["final_norm"]  # last: 256 bytes, no trailing padding
   return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 

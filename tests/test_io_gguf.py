@@ -83,9 +83,10 @@ def check_close(loaded, original, qtype, name):
 
 
 def gguf_rows(name, x):
-  """x as GGUF quantizes it, along rows of the input dim: specjax stores matrices
-  (in, out), the embedding (V, D)."""
-  return x.T if x.ndim == 2 and name != "embed" else x
+  """x as GGUF quantizes it, along rows of the input dim: specjax stores
+  matrices (out, in) like GGUF, so rows are rows."""
+  del name
+  return x
 
 
 def expected_layout(cfg, params, qtypes):
@@ -97,20 +98,20 @@ def expected_layout(cfg, params, qtypes):
   if not cfg.tie_embeddings:
     rows.append(("lm_head", lambda p: p["lm_head"], params["lm_head"], "output.weight"))
   for i, lp in enumerate(params["layers"]):
-    get = lambda key, lo=None, hi=None, i=i: (lambda p: p["layers"][i][key][:, lo:hi])
+    get = lambda key, lo=None, hi=None, i=i: (lambda p: p["layers"][i][key][lo:hi])
     rows += [
         (f"{i}.attn_norm", lambda p, i=i: p["layers"][i]["attn_norm"], lp["attn_norm"],
          f"blk.{i}.attn_norm.weight"),
         (f"{i}.mlp_norm", lambda p, i=i: p["layers"][i]["mlp_norm"], lp["mlp_norm"],
          f"blk.{i}.ffn_norm.weight"),
-        (f"{i}.wq", get("wqkv", 0, h * dh), lp["wqkv"][:, :h * dh], f"blk.{i}.attn_q.weight"),
-        (f"{i}.wk", get("wqkv", h * dh, (h + g) * dh), lp["wqkv"][:, h * dh:(h + g) * dh],
+        (f"{i}.wq", get("wqkv", 0, h * dh), lp["wqkv"][:h * dh], f"blk.{i}.attn_q.weight"),
+        (f"{i}.wk", get("wqkv", h * dh, (h + g) * dh), lp["wqkv"][h * dh:(h + g) * dh],
          f"blk.{i}.attn_k.weight"),
-        (f"{i}.wv", get("wqkv", (h + g) * dh, None), lp["wqkv"][:, (h + g) * dh:],
+        (f"{i}.wv", get("wqkv", (h + g) * dh, None), lp["wqkv"][(h + g) * dh:],
          f"blk.{i}.attn_v.weight"),
         (f"{i}.wo", get("wo"), lp["wo"], f"blk.{i}.attn_output.weight"),
-        (f"{i}.w_gate", get("w_gate_up", 0, f), lp["w_gate_up"][:, :f], f"blk.{i}.ffn_gate.weight"),
-        (f"{i}.w_up", get("w_gate_up", f, None), lp["w_gate_up"][:, f:], f"blk.{i}.ffn_up.weight"),
+        (f"{i}.w_gate", get("w_gate_up", 0, f), lp["w_gate_up"][:f], f"blk.{i}.ffn_gate.weight"),
+        (f"{i}.w_up", get("w_gate_up", f, None), lp["w_gate_up"][f:], f"blk.{i}.ffn_up.weight"),
         (f"{i}.w_down", get("w_down"), lp["w_down"], f"blk.{i}.ffn_down.weight"),
     ]
   return [(name, getter, orig, qtypes[tensor]) for name, getter, orig, tensor in rows]
@@ -183,10 +184,9 @@ def test_qk_rows_are_unpermuted(tiny_gguf, tiny_model, tiny_reader):
     name = f"blk.0.attn_{part}.weight"
     assert tiny_gguf.qtypes[name] == "F32"
     file_rows = stored[name].reshape(hi - lo, cfg.dim)
-    assert not np.array_equal(file_rows, original[:, lo:hi].T), f"{name} is not permuted"
-    np.testing.assert_array_equal(gguf_io._unpermute_rotary(file_rows, heads),
-                                  original[:, lo:hi].T)
-    np.testing.assert_array_equal(loaded[:, lo:hi], original[:, lo:hi])
+    assert not np.array_equal(file_rows, original[lo:hi]), f"{name} is not permuted"
+    np.testing.assert_array_equal(gguf_io._unpermute_rotary(file_rows, heads), original[lo:hi])
+    np.testing.assert_array_equal(loaded[lo:hi], original[lo:hi])
 
 
 def test_logits_round_trip(tiny_gguf, tiny_model):

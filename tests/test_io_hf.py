@@ -219,7 +219,7 @@ def test_loads_transformers_model(tmp_path, tie):
   model.to(torch.bfloat16).save_pretrained(bf_path, safe_serialization=True)
   bf_params, bf_cfg = load_hf(bf_path)
   assert bf_cfg.dtype == "bfloat16"
-  want = model.model.layers[1].mlp.down_proj.weight.detach().float().numpy().T
+  want = model.model.layers[1].mlp.down_proj.weight.detach().float().numpy()
   np.testing.assert_array_equal(np.asarray(bf_params["layers"][1]["w_down"], np.float32), want)
 
 

@@ -202,7 +202,7 @@ def load_params(reader, cfg: ModelConfig, path: str = "<gguf>", dtype=None) -> D
     check(pre + "attn_q.weight", wq, (cfg.num_heads * hd, d))
     check(pre + "attn_k.weight", wk, (cfg.num_kv_heads * hd, d))
     check(pre + "attn_v.weight", wv, (cfg.num_kv_heads * hd, d))
-    wqkv = put(np.concatenate([wq, wk, wv], axis=0).T)
+    wqkv = put(np.concatenate([wq, wk, wv], axis=0))
     del wq, wk, wv
     gate, up, down = get(pre + "ffn_gate.weight"), get(pre + "ffn_up.weight"), get(pre + "ffn_down.weight")
     check(pre + "ffn_gate.weight", gate, (cfg.ffn_dim, d))
@@ -210,10 +210,10 @@ def load_params(reader, cfg: ModelConfig, path: str = "<gguf>", dtype=None) -> D
     layers.append(dict(
         attn_norm=put(get(pre + "attn_norm.weight")),
         wqkv=wqkv,
-        wo=put(get(pre + "attn_output.weight").T),
+        wo=put(get(pre + "attn_output.weight")),
         mlp_norm=put(get(pre + "ffn_norm.weight")),
-        w_gate_up=put(np.concatenate([gate, up], axis=0).T),
-        w_down=put(down.T),
+        w_gate_up=put(np.concatenate([gate, up], axis=0)),
+        w_down=put(down),
     ))
     del gate, up, down
   embed = get("token_embd.weight")
@@ -221,7 +221,7 @@ def load_params(reader, cfg: ModelConfig, path: str = "<gguf>", dtype=None) -> D
   params = dict(embed=put(embed), layers=layers, final_norm=put(get("output_norm.weight")))
   del embed
   if not cfg.tie_embeddings:
-    params["lm_head"] = put(get("output.weight").T)
+    params["lm_head"] = put(get("output.weight"))
   return params
 
 

@@ -1,8 +1,7 @@
 """Load and save HF-format Llama-family directories (config.json + safetensors).
 
-HF stores every projection as a torch `nn.Linear` weight, (out, in); specjax
-multiplies `x @ w`, so each is transposed, and Q/K/V and gate/up are fused on
-the output axis (see `specjax.models.transformer`). HF's Q/K rows are already
+HF stores every projection as a torch `nn.Linear` weight, (out, in), and so
+does specjax; Q/K/V and gate/up are fused on the output axis (see `specjax.models.transformer`). HF's Q/K rows are already
 in the rotate-half RoPE layout specjax uses: no row permutation (unlike GGUF).
 
 Loading converts one tensor at a time and drops the host copy, so peak host
@@ -228,20 +227,20 @@ def to_hf_tensors(params: Params, cfg: ModelConfig) -> Iterator[Tuple[str, np.nd
   yield "model.embed_tokens.weight", host(params["embed"])
   for i, p in enumerate(params["layers"]):
     pre = f"model.layers.{i}."
-    wq, wk, wv = np.split(host(p["wqkv"]), [hq, hq + hkv], axis=1)
-    gate, up = np.split(host(p["w_gate_up"]), 2, axis=1)
-    yield pre + "self_attn.q_proj.weight", wq.T
-    yield pre + "self_attn.k_proj.weight", wk.T
-    yield pre + "self_attn.v_proj.weight", wv.T
-    yield pre + "self_attn.o_proj.weight", host(p["wo"]).T
-    yield pre + "mlp.gate_proj.weight", gate.T
-    yield pre + "mlp.up_proj.weight", up.T
-    yield pre + "mlp.down_proj.weight", host(p["w_down"]).T
+    wq, wk, wv = np.split(host(p["wqkv"]), [hq, hq + hkv], axis=0)
+    gate, up = np.split(host(p["w_gate_up"]), 2, axis=0)
+    yield pre + "self_attn.q_proj.weight", wq
+    yield pre + "self_attn.k_proj.weight", wk
+    yield pre + "self_attn.v_proj.weight", wv
+    yield pre + "self_attn.o_proj.weight", host(p["wo"])
+    yield pre + "mlp.gate_proj.weight", gate
+    yield pre + "mlp.up_proj.weight", up
+    yield pre + "mlp.down_proj.weight", host(p["w_down"])
     yield pre + "input_layernorm.weight", host(p["attn_norm"])
     yield pre + "post_attention_layernorm.weight", host(p["mlp_norm"])
   yield "model.norm.weight", host(params["final_norm"])
   if not cfg.tie_embeddings:
-    yield "lm_head.weight", host(params["lm_head"]).T
+    yield "lm_head.weight", host(params["lm_head"])
 
 
 # ----------------------------------------------------------------------------
@@ -331,11 +330,11 @@ def load_hf(path: str, dtype: Optional[str] = None) -> Tuple[Params, ModelConfig
     get = _TensorReader(path, files, shapes, stack)
 
     def put(*names: str) -> jax.Array:
-      """The named tensors, transposed to (in, out) and fused on the output
-      axis, as one device array; host copies are dropped on return."""
+      """The named tensors, (out, in), fused on the output axis, as one
+      device array; host copies are dropped on return."""
       parts = [get(n).astype(np_dtype, copy=False) for n in names]
       w = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-      return jnp.asarray(w.T if w.ndim == 2 else w)
+      return jnp.asarray(w)
 
     layers = []
     for i in range(cfg.num_layers):
@@ -348,9 +347,8 @@ def load_hf(path: str, dtype: Optional[str] = None) -> Tuple[Params, ModelConfig
           w_gate_up=put(pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight"),
           w_down=put(pre + "mlp.down_proj.weight"),
       ))
-    # embed stays (V, D): put() would transpose it, so convert it directly.
-    params = dict(embed=jnp.asarray(get("model.embed_tokens.weight").astype(np_dtype, copy=False)),
-                  layers=layers, final_norm=put("model.norm.weight"))
+    params = dict(embed=put("model.embed_tokens.weight"), layers=layers,
+                  final_norm=put("model.norm.weight"))
     if not cfg.tie_embeddings:
       params["lm_head"] = put("lm_head.weight")
   return params, cfg
