@@ -49,12 +49,12 @@ def successor() -> np.ndarray:
 @pytest.fixture(scope="module")
 def periodic(params):
   """A target whose greedy next token is succ(current token): the blocks add
-  nothing to the residual stream (wo = w_down = 0) and the LM head column of
-  succ(x) is x's embedding."""
+  nothing to the residual stream (wo = w_down = 0) and the LM head row (out, in)
+  of succ(x) is x's embedding."""
   p = jax.tree.map(lambda x: x, params)
   p["layers"] = [dict(l, wo=jnp.zeros_like(l["wo"]), w_down=jnp.zeros_like(l["w_down"]))
                  for l in p["layers"]]
-  p["lm_head"] = jnp.zeros_like(p["lm_head"]).at[:, successor()].set(p["embed"].T)
+  p["lm_head"] = jnp.zeros_like(p["lm_head"]).at[successor()].set(p["embed"])
   return p
 
 

@@ -166,8 +166,8 @@ def pit_test(values: np.ndarray) -> PITResult:
                    num_values=int(values.size))
 
 
-def tiny_pair(vocab_size: int = 8, target_seed: int = 11, draft_seed: int = 22,
-              scale: float = 0.2):
+def tiny_pair(vocab_size: int = 8, target_seed: int = 21, draft_seed: int = 12,
+              scale: float = 0.25):
   """A tiny target (2 layers) and draft model (1 layer) over a small vocabulary
   whose next-token laws are far apart (TV ~0.3-0.6 on short prompts), so that
   rejections, residual draws and bonus tokens all occur. Neither ever emits EOS
