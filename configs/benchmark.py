@@ -17,6 +17,8 @@ import os
 
 import ml_collections
 
+from specjax.drafters import registry
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC_BENCH = os.path.normpath(os.path.join(_REPO, os.pardir, "shared", "data", "spec_bench",
                                            "question_excl_mtbench.jsonl"))
@@ -38,19 +40,7 @@ def get_config(arg=None):
   c.repeats = 3  # timed runs per method and question, interleaved with AR
   c.out = "/tmp/specjax_benchmark"
   # Drafter settings (specjax.drafters.registry; None: the method's default).
-  c.k = 4
-  c.max_ngram = 3
-  c.min_ngram = 1
-  c.layers = ml_collections.config_dict.placeholder(str)  # layer_skip, e.g. '0-9'
-  c.draft_model = ml_collections.config_dict.placeholder(str)  # e.g. 'self:10'
-  for variant in (arg or "").split("+"):
-    if not variant:
-      continue
-    if variant == "sample":
-      c.temperature, c.top_p = 0.7, 0.9
-    elif variant == "bf16":
-      c.dtype = "bfloat16"
-    else:
-      raise ValueError(f"unknown variant {variant!r} of configs/benchmark.py (sample, bf16)")
+  registry.add_config_fields(c)
+  registry.apply_variants(c, arg, "configs/benchmark.py")
   c.lock()
   return c

@@ -13,6 +13,8 @@ Variants (the text after ':'), combinable with '+' (e.g. `sample+bf16`):
 
 import ml_collections
 
+from specjax.drafters import registry
+
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
@@ -30,19 +32,7 @@ def get_config(arg=None):
   c.repeats = 1  # timed repeats after a compile run
   c.method = "ar"  # or a drafter of specjax.drafters.registry, run against AR interleaved
   # Speculative settings (read by the method that uses them; None: the method's default).
-  c.k = 4  # draft length
-  c.max_ngram = 3  # prompt_lookup
-  c.min_ngram = 1  # prompt_lookup
-  c.layers = ml_collections.config_dict.placeholder(str)  # layer_skip, e.g. '0-9'
-  c.draft_model = ml_collections.config_dict.placeholder(str)  # draft_model, e.g. 'self:10'
-  for variant in (arg or "").split("+"):
-    if not variant:
-      continue
-    if variant == "sample":
-      c.temperature, c.top_p = 0.7, 0.9
-    elif variant == "bf16":
-      c.dtype = "bfloat16"
-    else:
-      raise ValueError(f"unknown variant {variant!r} of configs/smollm2.py (sample, bf16)")
+  registry.add_config_fields(c)
+  registry.apply_variants(c, arg, "configs/smollm2.py")
   c.lock()
   return c

@@ -43,6 +43,30 @@ BUILTIN = ("prompt_lookup", "layer_skip", "draft_model", "replay", "always_rejec
 LOOKAHEAD_MODULE = "specjax.drafters.lookahead"
 
 
+def add_config_fields(c) -> None:
+  """The drafter fields every run config carries (None: the method's default)."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+
+  c.k = 4  # draft length
+  c.max_ngram = 3  # prompt_lookup
+  c.min_ngram = 1  # prompt_lookup
+  c.layers = ml_collections.config_dict.placeholder(str)  # layer_skip, e.g. '0-9'
+  c.draft_model = ml_collections.config_dict.placeholder(str)  # draft_model, e.g. 'self:10'
+
+
+def apply_variants(c, arg, config_name: str) -> None:
+  """The variants shared by run configs, combinable with '+': sample, bf16."""
+  for variant in (arg or "").split("+"):
+    if not variant:
+      continue
+    if variant == "sample":
+      c.temperature, c.top_p = 0.7, 0.9
+    elif variant == "bf16":
+      c.dtype = "bfloat16"
+    else:
+      raise ValueError(f"unknown variant {variant!r} of {config_name} (sample, bf16)")
+
+
 def available_methods() -> tuple:
   """Method names make_drafter accepts here (lookahead only once its module exists)."""
   if importlib.util.find_spec(LOOKAHEAD_MODULE) is not None:
