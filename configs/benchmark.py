@@ -39,6 +39,7 @@ def get_config(arg=None):
   c.seed = 0
   c.repeats = 3  # timed runs per method and question, interleaved with AR
   c.out = "/tmp/specjax_benchmark"
+  c.calibrate = True  # measure forward / drafter costs for the predicted-speedup column
   # Drafter settings (specjax.drafters.registry; None: the method's default).
   registry.add_config_fields(c)
   registry.apply_variants(c, arg, "configs/benchmark.py")

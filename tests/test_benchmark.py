@@ -75,6 +75,14 @@ def test_results_files_and_schema(bench):
     assert r["checkpoint"] is None and r["precision"] == "float32"
     assert (r["k"], r["max_new_tokens"], r["batch_size"], r["temperature"]) == (4, 8, 1, 0.0)
     assert r["hardware"]["cpu_count"] == os.cpu_count()
+    # the calibrated prediction: from round counts and measured costs
+    assert r["predicted_speedup"] > 0 and r["theorem_3_8"] > 0 and 0 <= r["draft_frac"] < 1
+    assert r["ms_per_round"] > 0 and 0 <= r["narrow_frac"] <= 1
+  calib = json.load(open(os.path.join(c.out, "calibration.json")))
+  assert set(calib) == set(METHODS)
+  for m in METHODS:
+    assert calib[m]["k"] == 4 and set(calib[m]["t_verify"]) == {"1", "5"}
+    assert calib[m]["t_draft"] < calib[m]["t_verify"]["1"]  # n-gram search / replay: cheap
   by = {(r["method"], r["category"]): r for r in results}
   assert by[("replay", "all")]["num_prompts"] == 2 and by[("replay", "copy")]["num_prompts"] == 1
   md = open(os.path.join(c.out, "results.md")).read()

@@ -25,6 +25,7 @@ from specjax.decoding import batch as batch_lib
 from specjax.decoding import speculative as sp
 from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.layer_skip import LayerSkip
+from specjax.drafters.medusa import Blockwise, Medusa
 from specjax.drafters.prompt_lookup import PromptLookup
 
 V = 8
@@ -54,10 +55,27 @@ SETTINGS = [
     ("draft_model-T0.7-k1-B4", DraftModel(k=1, cfg=DCFG, sampling=T1), T07, PROMPTS4),
     ("layer_skip-topk-k5-B1", LayerSkip(k=5, layers=(0,), sampling=T1), TOPK, PROMPTS1),
     ("prompt_lookup-topp-k3-B4", PromptLookup(k=3, max_ngram=2), TOPP, PROMPTS4),
+    # Medusa heads sample at T = 0.7 for a T = 1 target; blockwise is their
+    # top-1 chain (one-hot q) under a top-p target.
+    ("medusa-T1-k3-B4", Medusa(k=3, sampling=T07), T1, PROMPTS4),
+    ("blockwise-topp-k2-B1", Blockwise(k=2), TOPP, PROMPTS1),
 ]
 
 
+def _random_heads(num_heads=3, scale=3.0, seed=5):
+  """Untrained-looking heads far from the identity, so q differs from p."""
+  kw, kb = jax.random.split(jax.random.PRNGKey(seed))
+  d = CFG.dim
+  return {"w": scale * jax.random.normal(kw, (num_heads, d, d)) / np.sqrt(d),
+          "b": jax.random.normal(kb, (num_heads, d))}
+
+
+HEADS = _random_heads()
+
+
 def _draft_params(drafter, draft):
+  if isinstance(drafter, Medusa):
+    return HEADS
   return draft if isinstance(drafter, DraftModel) else None
 
 
@@ -106,6 +124,10 @@ def test_every_draft_position_sees_rejections(family):
     acc = np.asarray(stats["per_position_acceptance"])[:M - 1]
     if name.startswith("prompt_lookup"):
       acc = acc[:1]  # n-gram proposals rarely run to full length on V = 8
+    if name.startswith(("medusa", "blockwise")):
+      # Heads have no feature before the first verify: the first round proposes
+      # nothing, so within M tokens the second round evaluates 2 positions.
+      acc = acc[:2]
     assert np.all((acc > 0) & (acc < 1)), (name, acc)
 
 
@@ -128,7 +150,8 @@ def run_pit(models, drafter, sampling, spec=None, seed=2):
 @pytest.mark.parametrize("drafter,sampling", [
     (LayerSkip(k=5, layers=(0,), sampling=T1), TOPK),
     (DraftModel(k=3, cfg=DCFG, sampling=T1), T07),
-], ids=["layer_skip-k5-topk", "draft_model-k3-T0.7"])
+    (Medusa(k=3, sampling=T1), T07),
+], ids=["layer_skip-k5-topk", "draft_model-k3-T0.7", "medusa-k3-T0.7"])
 def test_long_horizon_pit_is_uniform(models, drafter, sampling):
   result, stats = run_pit(models, drafter, sampling)
   acc = np.asarray(stats["per_position_acceptance"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -53,3 +53,50 @@ def forward_cost_curve(params, cfg: ModelConfig, ns: Sequence[int] = (1, 2, 4, 8
       _forward_loop(params, cfg, cache, n=n, steps=steps, layers=layers).block_until_ready()
       times[n].append((time.perf_counter() - t0) / steps)
   return {n: statistics.median(v) for n, v in times.items()}
+
+
+def draft_cost(params, cfg: ModelConfig, drafter, draft_params, prompt, *, steps: int = 8,
+               repeats: int = 3, num_slots: Optional[int] = None,
+               sampling=None) -> float:
+  """Median seconds of one `drafter.propose` (all k guesses) after prefilling
+  `prompt` (token ids), measured in one jitted loop of `steps` proposals.
+
+  The proposals are not committed (each starts from the same state); a data
+  dependency through the loop keeps XLA from hoisting or merging them. A
+  drafter with no device work (prompt lookup's n-gram search is device work)
+  measures ~0.
+  """
+  from specjax.decoding import autoregressive as ar  # pylint: disable=import-outside-toplevel
+  from specjax.decoding import batch as batch_lib  # pylint: disable=import-outside-toplevel
+  from specjax.decoding import speculative as sp  # pylint: disable=import-outside-toplevel
+  spec = sp.SpecConfig() if sampling is None else sp.SpecConfig(sampling=sampling)
+  block = max(drafter.k + 1, drafter.block)
+  tokens, lengths, limits, width, slots = ar.prepare(cfg, [list(prompt)], 64, block, num_slots)
+  keys = batch_lib.request_keys(batch_lib.as_key(0), batch_lib.request_ids_for(1, None))
+  state = sp.prefill(params, cfg, drafter, draft_params, keys, jnp.asarray(tokens),
+                     jnp.asarray(lengths), jnp.asarray(limits), num_slots=slots, spec=spec,
+                     max_new_tokens=width)
+  loop = _draft_loop(params, cfg, drafter, draft_params, state, steps)
+  loop.block_until_ready()  # compile
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    _draft_loop(params, cfg, drafter, draft_params, state, steps).block_until_ready()
+    times.append((time.perf_counter() - t0) / steps)
+  return statistics.median(times)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "steps"))
+def _draft_loop(params, cfg, drafter, draft_params, state, steps):
+  from specjax.decoding import batch as batch_lib  # pylint: disable=import-outside-toplevel
+  from specjax.drafters.base import Context, Target  # pylint: disable=import-outside-toplevel
+
+  def body(i, zero):
+    # `zero` is always 0, but XLA cannot know it: each proposal depends on the last.
+    ctx = Context(history=state.history, length=state.length + zero,
+                  prompt_len=state.prompt_len, active=~state.done)
+    keys = batch_lib.purpose_keys(state.keys, batch_lib.DRAFT, state.round + i)
+    proposal, _, _ = drafter.propose(draft_params, Target(params, cfg), state.drafter, ctx,
+                                     state.cache, keys)
+    return jnp.minimum(jnp.abs(proposal.tokens[:, :1].sum()), 0).astype(jnp.int32) + zero
+  return jax.lax.fori_loop(0, steps, body, jnp.zeros((), jnp.int32))

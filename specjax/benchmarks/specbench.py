@@ -55,6 +55,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as sampling_lib
+from specjax.analysis import calibration as calibration_lib
+from specjax.analysis import theory
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import batch as batch_lib
 from specjax.decoding import speculative as sp
@@ -68,7 +70,8 @@ ALL = "all"
 TURN_IDS = 16
 # Settings that change a record's numbers; a resumed log must match them.
 SETTINGS = ("model", "dtype", "k", "temperature", "top_k", "top_p", "batch_size",
-            "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model")
+            "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model",
+            "checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +205,8 @@ def _new_record(unit, method, repeats, settings_id):
          "tokens": []}
   if method != "ar":
     rec.update({"ar_decode_tokens": 0, "ar_decode_s": [0.0] * repeats,
-                "stats": {"rounds": 0, "emitted": 0, "proposed": 0, "accepted": 0},
+                "stats": {"rounds": 0, "emitted": 0, "proposed": 0, "accepted": 0,
+                          "narrow_rounds": 0},
                 "identical": True})
   return rec
 
@@ -290,8 +294,38 @@ def _ratio(a, b):
   return a / b if b else float("nan")
 
 
-def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict) -> List[dict]:
-  """One result per method x category (plus 'all') from per-question records."""
+def predict(stats: dict, calib: dict) -> dict:
+  """The calibrated prediction of a method's speedup from its measured round
+  counts and this machine's measured costs (no decode timing enters it):
+
+    cost per round = t_draft + t_verify(k + 1)   (t_verify(1) for rounds in
+                                                  which nothing was proposed)
+    predicted speedup = emitted tokens * t_verify(1) / total cost
+
+  and Leviathan et al.'s Theorem 3.8 value, which prices a verify like one AR
+  step: (1 - a^(k+1)) / ((1 - a)(k c + 1)), c = t_draft / (k t_verify(1)).
+  """
+  rounds, emitted = stats["rounds"], stats["emitted"]
+  narrow = stats.get("narrow_rounds", 0)
+  k = calib["k"]
+  t1, tk, td = calib["t_verify"][1], calib["t_verify"][k + 1], calib["t_draft"]
+  if not rounds:
+    return {"predicted_speedup": None, "theorem_3_8": None, "draft_frac": None}
+  cost = rounds * td + narrow * t1 + (rounds - narrow) * tk
+  alpha = _ratio(stats["accepted"], stats["proposed"])
+  c = td / (k * t1)
+  lev = (float(theory.leviathan_speedup(alpha, k, c)) if math.isfinite(alpha) else None)
+  return {"predicted_speedup": emitted * t1 / cost, "theorem_3_8": lev,
+          "draft_frac": rounds * td / cost}
+
+
+def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
+              calibration: Optional[dict] = None) -> List[dict]:
+  """One result per method x category (plus 'all') from per-question records.
+
+  With `calibration` ({method: {"t_verify": {n: s}, "t_draft": s}}), each row
+  also carries the calibrated prediction (`predict`) and the measured seconds
+  per round."""
   out = []
   cats = list(dict.fromkeys(r["category"] for r in records))
   for m in methods:
@@ -306,8 +340,10 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict) -> Li
       ar_tps = _ratio(sum(r["ar_decode_tokens"] for r in rs), sum(ar_dec))
       per_q = [_ratio(_ratio(r["decode_tokens"], d), _ratio(r["ar_decode_tokens"], a))
                for r, d, a in zip(rs, dec, ar_dec)]
-      st = {k: sum(r["stats"][k] for r in rs) for k in ("rounds", "emitted", "proposed",
-                                                          "accepted")}
+      st = {k: sum(r["stats"].get(k, 0) for r in rs)
+            for k in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds")}
+      pred = (predict(st, calibration[m]) if calibration and m in calibration
+              else {"predicted_speedup": None, "theorem_3_8": None, "draft_frac": None})
       ident = [r["identical"] for r in rs]
       out.append({
           "method": m, "category": cat,
@@ -317,6 +353,11 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict) -> Li
           "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
           "greedy_identical": None if None in ident else all(ident),
           "num_prompts": sum(len(r["question_ids"]) for r in rs),
+          # per row-round; with batch_size > 1 an approximation (rows run different rounds)
+          "ms_per_round": (sum(dec) / st["rounds"] * int(meta["batch_size"]) * 1e3
+                           if st["rounds"] else None),
+          "narrow_frac": _ratio(st["narrow_rounds"], st["rounds"]),
+          **pred,
           **meta,
       })
   return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -337,15 +378,20 @@ def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> st
       f"max_new_tokens={r0['max_new_tokens']}, seed={r0['seed']}, commit={r0['commit']}",
       f"hardware: {r0['hardware']}",
       "",
-      "| method | category | prompts | speedup | IQR (per prompt) | tau | alpha | tok/s | "
-      "AR tok/s | greedy identical |",
-      "|---|---|---|---|---|---|---|---|---|---|",
+      "| method | category | prompts | speedup | IQR (per prompt) | predicted | Thm 3.8 | "
+      "tau | alpha | ms/round | draft share | 1-token verifies | tok/s | AR tok/s | "
+      "greedy identical |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in results:
     q1, q3 = r["speedup_iqr"]
+    pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # pylint: disable=unnecessary-lambda-assignment
     lines.append(
         f"| {r['method']} | {r['category']} | {r['num_prompts']} | {_fmt(r['speedup'])}x | "
-        f"{_fmt(q1)}-{_fmt(q3)} | {_fmt(r['tau'])} | {_fmt(r['alpha'])} | "
+        f"{_fmt(q1)}-{_fmt(q3)} | {_fmt(r.get('predicted_speedup'))}x | "
+        f"{_fmt(r.get('theorem_3_8'))}x | {_fmt(r['tau'])} | {_fmt(r['alpha'])} | "
+        f"{_fmt(r.get('ms_per_round'), '{:.1f}')} | {pct(r.get('draft_frac'))} | "
+        f"{pct(r.get('narrow_frac'))} | "
         f"{_fmt(r['tokens_per_s'], '{:.1f}')} | {_fmt(r['ar_tokens_per_s'], '{:.1f}')} | "
         f"{'-' if r['greedy_identical'] is None else r['greedy_identical']} |")
   if extra:
@@ -413,6 +459,38 @@ def read_log(path: str) -> List[dict]:
 def _clock(s: float) -> str:
   s = int(s)
   return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def calibrate(model: Model, c, methods: Sequence[str], unit, sampling) -> dict:
+  """This machine's costs for the prediction column: target forward time for
+  1 and k + 1 tokens at the first prompt's length (plus half the new tokens),
+  and each drafter's proposal time, measured after the benchmark runs (so its
+  compiles do not disturb them)."""
+  tok = model.tokenizer
+  prompt = tok.encode_chat(chat_messages(unit[0].turns[:1], []))
+  fill = len(prompt) + int(c.max_new_tokens) // 2
+  out = {}
+  for m in methods:
+    drafter, dparams = registry.make_drafter(m, c, model, sampling=sampling,
+                                             reference=[[model.cfg.eos_id]],
+                                             reference_width=int(c.max_new_tokens))
+    k = drafter.k
+    curve = calibration_lib.forward_cost_curve(model.params, model.cfg, ns=(1, k + 1), fill=fill)
+    t_draft = calibration_lib.draft_cost(model.params, model.cfg, drafter, dparams, prompt,
+                                         sampling=sampling)
+    out[m] = {"k": k, "t_verify": {int(n): t for n, t in curve.items()}, "t_draft": t_draft,
+              "fill": fill}
+  return out
+
+
+def _read_calibration(path: str) -> dict:
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    raw = json.load(f)
+  for v in raw.values():  # JSON object keys are strings
+    v["t_verify"] = {int(n): t for n, t in v["t_verify"].items()}
+  return raw
 
 
 def run_benchmark(c, model: Optional[Model] = None,
@@ -486,7 +564,20 @@ def run_benchmark(c, model: Optional[Model] = None,
       "seed": int(c.seed), "max_new_tokens": int(c.max_new_tokens), "checkpoint": None,
       "commit": commit, "hardware": hardware(),
   }
-  results = summarize(records, methods, meta)
+  calib = None
+  calib_path = os.path.join(c.out, "calibration.json")
+  if c.get("calibrate", True) and units:
+    # Measured once per run directory (a resumed run reuses it; delete the file
+    # to measure again).
+    calib = _read_calibration(calib_path)
+    missing = [m for m in methods if m not in calib]
+    if missing:
+      model = model or (engine.model if engine else load_model(c.model, c.dtype))
+      progress("calibrating: forward cost t_verify(n) and each drafter's proposal cost")
+      calib.update(calibrate(model, c, missing, units[0], sampling))
+      with open(calib_path, "w") as f:
+        json.dump(calib, f, indent=1)
+  results = summarize(records, methods, meta, calib)
   extra = {"repeats": repeats, "runtime_s": round(time.perf_counter() - t_start, 1),
            "compile_s": round(engine.compile_s, 1) if engine else 0.0,
            "timed_runs_this_call": engine.runs if engine else 0}

@@ -14,6 +14,10 @@ None fields take the defaults below); it is typically the run's ConfigDict:
                  directory that `specjax.io.load.load_model` understands
   replay         k; the reference continuations (`reference=`, e.g. the AR output)
   always_reject  k
+  medusa         k (<= the checkpoint's heads), checkpoint (default: the heads
+                 shipped for SmolLM2-135M in specjax/checkpoints/); guesses
+                 drawn from each head's q with the target's sampling settings
+  blockwise      the same heads' top-1 chain (Stern et al.; one-hot q)
   lookahead      k and the fields `specjax.drafters.lookahead.Lookahead` declares
                  (available once that module exists)
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import importlib.util
 from typing import Any, Optional, Sequence
 
@@ -36,10 +41,17 @@ from specjax import sampling as sampling_lib
 from specjax.drafters.base import Drafter
 from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.layer_skip import LayerSkip, parse_layers
+from specjax.drafters.medusa import Blockwise, Medusa
 from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.replay import AlwaysReject, Replay, ReplayParams
 
-BUILTIN = ("prompt_lookup", "layer_skip", "draft_model", "replay", "always_reject")
+BUILTIN = ("prompt_lookup", "layer_skip", "draft_model", "replay", "always_reject", "medusa",
+           "blockwise")
+# Trained drafters shipped with the package: checkpoints/<target>/<kind>.
+CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "checkpoints")
+SHIPPED_TARGET = "smollm2-135m"
+_CHECKPOINT_KIND = {"medusa": "medusa", "blockwise": "medusa"}
 LOOKAHEAD_MODULE = "specjax.drafters.lookahead"
 
 
@@ -52,6 +64,7 @@ def add_config_fields(c) -> None:
   c.min_ngram = 1  # prompt_lookup
   c.layers = ml_collections.config_dict.placeholder(str)  # layer_skip, e.g. '0-9'
   c.draft_model = ml_collections.config_dict.placeholder(str)  # draft_model, e.g. 'self:10'
+  c.checkpoint = ml_collections.config_dict.placeholder(str)  # trained drafters (medusa, ...)
 
 
 def apply_variants(c, arg, config_name: str) -> None:
@@ -139,6 +152,21 @@ def reference_params(continuations: Sequence[Sequence[int]], width: Optional[int
   return ReplayParams(jnp.asarray(arr), jnp.asarray([len(c) for c in continuations], jnp.int32))
 
 
+def shipped_checkpoint(kind: str) -> str:
+  return os.path.join(CHECKPOINT_DIR, SHIPPED_TARGET, kind)
+
+
+def _trained(method: str, config, target_model):
+  """A trained drafter's params from `config.checkpoint` or the shipped one;
+  the checkpoint's target fingerprint must match this target."""
+  from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+
+  kind = _CHECKPOINT_KIND[method]
+  path = _field(config, "checkpoint") or shipped_checkpoint(kind)
+  params, _ = checkpoints.load_drafter(path, target_model.params, target_model.cfg, method=kind)
+  return params
+
+
 def _lookahead(config, k: int):
   try:
     module = importlib.import_module(LOOKAHEAD_MODULE)
@@ -191,4 +219,10 @@ def make_drafter(method: str, config, target_model, *, reference=None,
     return drafter, reference_params(reference, reference_width, cfg.pad_id)
   if method == "always_reject":
     return AlwaysReject(k=k), None
+  if method in _CHECKPOINT_KIND:
+    params = _trained(method, config, target_model)
+    cls = Medusa if method == "medusa" else Blockwise
+    drafter = cls(k=k, sampling=sampling)
+    drafter.check(cfg, params)
+    return drafter, params
   return _lookahead(config, k), None

@@ -1,0 +1,1 @@
+"""Training the drafters on the target's own behaviour (self-distillation)."""

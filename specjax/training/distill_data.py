@@ -1,0 +1,172 @@
+"""Self-distillation data: the target's own answers to instruction prompts.
+
+Drafters are trained to predict what the *target* says, not what a dataset's
+reference answer says (Medusa and EAGLE both found self-distilled data to
+matter). This module turns instruction files from the project's data folder
+into chat prompts, generates the target's answers on device in batches
+(greedy, and a sampled fraction), and appends them to a JSONL file:
+
+  {"id": "alpaca/17", "split": "train" | "valid", "prompt": [ids...],
+   "answer": [ids...], "sampling": {"temperature": .., "top_k": .., "top_p": ..},
+   "seed": 0, "model": "smollm2-135m", "max_new_tokens": 192}
+
+Deterministic given the seed: the prompt order, the split (a hash of the id),
+which examples are sampled, and every sampled token (per-request keys
+fold_in(seed, example number)). A run appends as it goes and a restart skips
+the ids already written. Target *features* are not stored: the trainer
+recomputes them from the token ids (a 30-layer forward per batch), which keeps
+the data a few MB instead of GBs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.decoding import autoregressive as ar
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DATA_DIR = os.path.normpath(os.path.join(_REPO, os.pardir, "shared", "data"))
+
+
+def _instruction_text(rec: dict) -> str:
+  inp = (rec.get("input") or "").strip()
+  return rec["instruction"].strip() + ("\n\n" + inp if inp else "")
+
+
+def _load_json_array(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def _load_jsonl(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+# name -> (relative path, record -> user message)
+SOURCES: Dict[str, Tuple[str, Callable[[dict], str]]] = {
+    "alpaca": ("alpaca/alpaca_5000.json", _instruction_text),
+    "code_alpaca": ("code_instructions/code_alpaca_2k.json", _instruction_text),
+    "gpteacher_code": ("code_instructions/gpteacher_codegen-instruct.json", _instruction_text),
+    "gsm8k_train": ("gsm8k/train.jsonl", lambda r: r["question"].strip()),
+}
+
+
+def load_instructions(sources: Sequence[str], data_dir: str = DATA_DIR) -> List[Tuple[str, str]]:
+  """[(id, user message)] for the named sources, in file order."""
+  out = []
+  for name in sources:
+    if name not in SOURCES:
+      raise ValueError(f"unknown data source {name!r}; available: {', '.join(SOURCES)}")
+    rel, text_of = SOURCES[name]
+    path = os.path.join(data_dir, rel)
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"data source {name!r}: {path} does not exist")
+    recs = _load_jsonl(path) if path.endswith(".jsonl") else _load_json_array(path)
+    out += [(f"{name}/{i}", text_of(r)) for i, r in enumerate(recs)]
+  return out
+
+
+def split_of(example_id: str, valid_fraction: float) -> str:
+  """Deterministic train/valid split from a hash of the id."""
+  h = int(hashlib.sha1(example_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+  return "valid" if h < valid_fraction else "train"
+
+
+def interleave(sources: Sequence[str], examples: Sequence[Tuple[str, str]], num: int,
+               seed: int) -> List[Tuple[str, str]]:
+  """`num` examples drawn round-robin from the sources, each source shuffled
+  by `seed` (so every source is represented however small `num` is)."""
+  by_src = {s: [e for e in examples if e[0].split("/")[0] == s] for s in sources}
+  rng = random.Random(seed)
+  for v in by_src.values():
+    rng.shuffle(v)
+  out, i = [], 0
+  while len(out) < num and any(i < len(v) for v in by_src.values()):
+    for s in sources:
+      if i < len(by_src[s]) and len(out) < num:
+        out.append(by_src[s][i])
+    i += 1
+  return out
+
+
+def read_records(path: str) -> List[dict]:
+  if not os.path.exists(path):
+    return []
+  recs = []
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        recs.append(json.loads(line))
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{n}: malformed record ({e}); a run killed mid-write leaves a "
+                         "partial last line: delete it and resume") from e
+  return recs
+
+
+def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: int,
+                     seed: int = 0, max_new_tokens: int = 192, max_prompt_tokens: int = 256,
+                     batch_size: int = 8, sample_fraction: float = 0.25,
+                     temperature: float = 0.7, top_p: float = 0.9, valid_fraction: float = 0.05,
+                     data_dir: str = DATA_DIR, model_name: str = "smollm2-135m",
+                     progress: Optional[Callable[[str], None]] = None) -> List[dict]:
+  """Generate (or finish generating) the dataset at `path`; returns its records.
+
+  Examples whose chat prompt exceeds `max_prompt_tokens` are skipped. Example
+  n is answered with sampling (temperature / top_p) when a seeded coin says so
+  (probability `sample_fraction`), else greedily.
+  """
+  progress = progress or (lambda s: None)
+  tok = model.tokenizer
+  chosen = interleave(sources, load_instructions(sources, data_dir), num_examples, seed)
+  done = {r["id"] for r in read_records(path)}
+  coin = np.random.default_rng(seed).random(len(chosen))
+  greedy = sampling_lib.GREEDY
+  sampled = sampling_lib.SamplingConfig(temperature=temperature, top_p=top_p)
+  todo = {False: [], True: []}
+  for n, (eid, text) in enumerate(chosen):
+    if eid in done:
+      continue
+    prompt = tok.encode_prompt(text)
+    if len(prompt) > max_prompt_tokens:
+      continue
+    todo[bool(coin[n] < sample_fraction)].append((n, eid, prompt))
+  total = sum(len(v) for v in todo.values())
+  made, t0 = 0, time.perf_counter()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  for is_sampled, items in todo.items():
+    items.sort(key=lambda x: len(x[2]))  # similar lengths together: less padding
+    settings = sampled if is_sampled else greedy
+    for i in range(0, len(items), batch_size):
+      chunk = items[i:i + batch_size]
+      res = ar.generate(model.params, model.cfg, [c[2] for c in chunk], key=seed,
+                        sampling=settings, max_new_tokens=max_new_tokens,
+                        request_ids=[c[0] for c in chunk])
+      with open(path, "a") as f:
+        for (n, eid, prompt), answer in zip(chunk, res.tokens):
+          f.write(json.dumps({
+              "id": eid, "split": split_of(eid, valid_fraction), "prompt": prompt,
+              "answer": [int(t) for t in answer],
+              "sampling": {"temperature": settings.temperature, "top_k": settings.top_k,
+                           "top_p": settings.top_p},
+              "seed": seed, "model": model_name, "max_new_tokens": max_new_tokens}) + "\n")
+      made += len(chunk)
+      el = time.perf_counter() - t0
+      progress(f"distill data: {made}/{total} answers, {el:.0f}s elapsed, "
+               f"ETA {el / made * (total - made):.0f}s")
+  return read_records(path)
+
+
+def sequences(records: Iterable[dict], split: str) -> List[Tuple[List[int], int]]:
+  """(prompt + answer token ids, prompt length) for the records of `split`."""
+  return [(r["prompt"] + r["answer"], len(r["prompt"])) for r in records if r["split"] == split]

@@ -1,0 +1,111 @@
+"""One training run from a config (configs/medusa.py): self-distillation data
+-> target features -> optax training with orbax checkpoints -> exported,
+fingerprinted drafter checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.decoding import autoregressive as ar
+from specjax.drafters import medusa
+from specjax.io.load import Model, load_model
+from specjax.models import transformer
+from specjax.models.config import tiny_config
+from specjax.training import checkpoints, distill_data, loop, medusa_train
+
+TINY = "tiny"  # a small random target (tests): token prompts, no tokenizer
+
+
+def _target(c) -> Model:
+  if c.model == TINY:
+    cfg = tiny_config(vocab_size=64, dim=64, num_layers=2, eos_id=-1, max_seq_len=256)
+    return Model(params=transformer.init(jax.random.PRNGKey(7), cfg), cfg=cfg, tokenizer=None,
+                 source=TINY)
+  return load_model(c.model, c.dtype)
+
+
+def _tiny_records(model: Model, c) -> list:
+  """The tiny target's own greedy answers to random token prompts."""
+  rng = np.random.default_rng(c.seed)
+  prompts = [rng.integers(3, model.cfg.vocab_size, size=int(rng.integers(4, 12))).tolist()
+             for _ in range(c.num_examples)]
+  res = ar.generate(model.params, model.cfg, prompts, max_new_tokens=c.max_new_tokens)
+  return [{"id": f"tiny/{i}", "split": distill_data.split_of(f"tiny/{i}", c.valid_fraction),
+           "prompt": p, "answer": a} for i, (p, a) in enumerate(zip(prompts, res.tokens))]
+
+
+def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optional[int] = None):
+  progress = progress or (lambda s: print(s, flush=True))
+  t_start = time.perf_counter()
+  model = _target(c)
+  os.makedirs(c.workdir, exist_ok=True)
+  # 1. data
+  if c.model == TINY:
+    records = _tiny_records(model, c)
+  else:
+    data_path = c.data_path or os.path.join(c.workdir, "distill.jsonl")
+    records = distill_data.generate_dataset(
+        model, data_path, sources=[s.strip() for s in c.sources.split(",")],
+        num_examples=c.num_examples, seed=c.seed, max_new_tokens=c.max_new_tokens,
+        max_prompt_tokens=c.max_prompt_tokens, batch_size=c.gen_batch_size,
+        sample_fraction=c.sample_fraction, valid_fraction=c.valid_fraction,
+        model_name=c.model, progress=progress)
+  train_seqs = distill_data.sequences(records, "train")
+  valid_seqs = distill_data.sequences(records, "valid") or train_seqs[:2]
+  progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")
+  # 2. features (once; reused by every epoch)
+  t0 = time.perf_counter()
+  pool = medusa_train.FeaturePool.build(model.params, model.cfg, train_seqs, seq_len=c.seq_len,
+                                        batch_size=c.feature_batch, progress=progress)
+  vpool = medusa_train.FeaturePool.build(model.params, model.cfg, valid_seqs, seq_len=c.seq_len,
+                                         batch_size=c.feature_batch)
+  progress(f"features: {len(pool)} train / {len(vpool)} valid positions in "
+           f"{time.perf_counter() - t0:.0f}s")
+  # 3. training
+  heads0 = medusa.init_heads(jax.random.PRNGKey(c.seed), c.num_heads, model.cfg.dim)
+  opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
+  step_fn = medusa_train.make_step(opt, model.params, model.cfg, c.decay)
+
+  def batch_fn(step):
+    rng = np.random.default_rng([c.seed, step])
+    idx = rng.integers(0, len(pool), size=c.batch_positions)
+    return jax.tree.map(jnp.asarray, pool.batch(idx, c.num_heads))
+
+  vsub = vpool
+  if c.valid_max_positions and len(vpool) > c.valid_max_positions:
+    keep = np.arange(c.valid_max_positions)
+    vsub = medusa_train.FeaturePool(vpool.hidden[keep], vpool.nxt[keep], vpool.seq[keep])
+
+  def eval_fn(heads):
+    return medusa_train.estimate(heads, model.params, model.cfg, vsub, c.num_heads)
+
+  result = loop.train(workdir=c.workdir, init_params=heads0, optimizer=opt, step_fn=step_fn,
+                      batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
+                      eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
+                      log_every=c.log_every, progress=progress, stop_after=stop_after)
+  out = {"step": result.step, "workdir": c.workdir, "train_positions": len(pool),
+         "valid_positions": len(vsub), "wall_s": time.perf_counter() - t_start}
+  if result.step < c.steps:
+    return out  # stopped early (killed / stop_after): nothing to export yet
+  best, best_step = loop.best_params(c.workdir, heads0)
+  best = best if best is not None else result.params
+  final_eval = eval_fn(best)
+  out.update(best_step=best_step, estimate=final_eval)
+  if c.export:
+    card = {"method": "medusa", "num_heads": c.num_heads,
+            "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(
+                model.params, model.cfg),
+            "config": json.loads(c.to_json()), "train_steps": c.steps, "best_step": best_step,
+            "train_positions": len(pool), "valid_positions": len(vsub),
+            "estimated": final_eval, "wall_s": round(time.perf_counter() - t_start, 1)}
+    checkpoints.save_drafter(c.export, best, card)
+    out["export"] = c.export
+    progress(f"exported {c.export}")
+  return out

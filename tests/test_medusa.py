@@ -1,0 +1,129 @@
+"""Medusa / blockwise: training (tiny target, seconds), exact resume,
+checkpoints tied to their target, and the drafter's round-to-round state."""
+
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.decoding import autoregressive as ar
+from specjax.decoding import speculative as sp
+from specjax.drafters import medusa
+from specjax.training import checkpoints, loop, run
+
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "medusa.py")
+
+
+def _tiny_config(workdir, **overrides):
+  spec = importlib.util.spec_from_file_location("medusa_config", CONFIG_FILE)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config("tiny")
+  c.workdir = str(workdir)
+  for k, v in overrides.items():
+    setattr(c, k, v)
+  return c
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  root = tmp_path_factory.mktemp("medusa")
+  c = _tiny_config(root / "full", export=str(root / "export"))
+  out = run.run(c, progress=lambda s: None)
+  return c, out, root
+
+
+def test_tiny_training_lowers_the_loss_and_exports(trained):
+  c, out, _ = trained
+  hist = [json.loads(x) for x in open(os.path.join(c.workdir, "metrics.jsonl"))]
+  losses = [h["loss"] for h in hist if "loss" in h]
+  assert len(losses) >= 3 and losses[-1] < 0.7 * losses[0], losses
+  assert out["estimate"]["tau"] >= 1.0
+  assert os.path.getsize(os.path.join(c.workdir, "curves.png")) > 1000
+  params, card = checkpoints.load_drafter(c.export, method="medusa")
+  assert params["w"].shape == (c.num_heads, 64, 64)
+  assert card["num_heads"] == c.num_heads and card["best_step"] == out["best_step"]
+
+
+def test_killed_run_resumes_to_identical_parameters(trained):
+  c, _, root = trained
+  cut = _tiny_config(root / "cut", export="")
+  first = run.run(cut, progress=lambda s: None, stop_after=15)  # "killed" after step 15
+  assert first["step"] == 15 and "estimate" not in first
+  resumed = run.run(cut, progress=lambda s: None)  # restarts from the step-10 checkpoint
+  assert resumed["step"] == c.steps
+  a, step_a = loop.latest_params(c.workdir, None)
+  b, step_b = loop.latest_params(cut.workdir, None)
+  assert step_a == step_b == c.steps
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  steps = [json.loads(x)["step"] for x in open(os.path.join(cut.workdir, "metrics.jsonl"))]
+  assert steps == sorted(set(steps))  # no duplicated lines from the killed stretch
+
+
+def test_checkpoint_errors(trained, tmp_path):
+  c, _, _ = trained
+  model = run._target(c)  # pylint: disable=protected-access
+  with pytest.raises(checkpoints.CheckpointError, match="does not exist"):
+    checkpoints.load_drafter(str(tmp_path / "nothing"))
+  other = jax.tree.map(lambda x: x + 1e-2, model.params)
+  with pytest.raises(checkpoints.CheckpointError, match="another target"):
+    checkpoints.load_drafter(c.export, other, model.cfg)
+  checkpoints.load_drafter(c.export, model.params, model.cfg, method="medusa")  # the right one
+  with pytest.raises(checkpoints.CheckpointError, match="not 'eagle'"):
+    checkpoints.load_drafter(c.export, method="eagle")
+  broken = tmp_path / "broken"
+  os.makedirs(broken)
+  with open(broken / checkpoints.CARD, "w") as f:
+    json.dump({"method": "medusa", "target_fingerprint": "x"}, f)
+  with pytest.raises(checkpoints.CheckpointError, match="cannot restore"):
+    checkpoints.load_drafter(str(broken))
+  with open(broken / checkpoints.CARD, "w") as f:
+    f.write("{not json")
+  with pytest.raises(checkpoints.CheckpointError, match="unreadable"):
+    checkpoints.load_drafter(str(broken))
+
+
+def test_greedy_medusa_and_blockwise_equal_ar(trained):
+  c, _, _ = trained
+  model = run._target(c)  # pylint: disable=protected-access
+  heads, _ = checkpoints.load_drafter(c.export, model.params, model.cfg)
+  prompts = [[5, 9, 3, 17, 4], [8, 8, 30]]
+  ref = ar.generate(model.params, model.cfg, prompts, max_new_tokens=20).tokens
+  for cls in (medusa.Medusa, medusa.Blockwise):
+    res = sp.generate(model.params, model.cfg, cls(k=3), prompts, draft_params=heads,
+                      max_new_tokens=20)
+    assert res.tokens == ref
+    assert res.stats["narrow_rounds"] >= 1  # the first round: no feature yet
+    assert res.stats["accepted"] > 0
+
+
+def test_commit_keeps_the_feature_of_the_accepted_position():
+  b, k, d = 3, 4, 5
+  hidden = jnp.arange(b * (k + 1) * d, dtype=jnp.float32).reshape(b, k + 1, d)
+  n = jnp.array([0, 2, 4])
+  from specjax.drafters.base import Context, VerifyOutput  # pylint: disable=import-outside-toplevel
+  st = medusa.MedusaState(feature=jnp.zeros((b, d)), valid=jnp.zeros((b,), bool))
+  ctx = Context(history=jnp.zeros((b, 8), jnp.int32), length=jnp.ones((b,), jnp.int32),
+                prompt_len=jnp.ones((b,), jnp.int32), active=jnp.array([True, True, False]))
+  out = medusa.Medusa(k=k).commit(None, st, ctx, VerifyOutput(hidden=hidden, num_accepted=n))
+  np.testing.assert_array_equal(out.feature[0], hidden[0, 0])
+  np.testing.assert_array_equal(out.feature[1], hidden[1, 2])
+  np.testing.assert_array_equal(out.feature[2], np.zeros(d))  # inactive row untouched
+  assert out.valid.tolist() == [True, True, False]
+
+
+def test_drafter_refuses_mismatched_heads(trained):
+  c, _, _ = trained
+  model = run._target(c)  # pylint: disable=protected-access
+  heads = medusa.init_heads(None, 2, model.cfg.dim)
+  with pytest.raises(ValueError, match="k=3 needs 3 heads"):
+    medusa.Medusa(k=3).check(model.cfg, heads)
+  with pytest.raises(ValueError, match="width"):
+    medusa.Medusa(k=2).check(model.cfg, medusa.init_heads(None, 2, 16))
+  with pytest.raises(ValueError, match="needs trained heads"):
+    medusa.Medusa(k=2).check(model.cfg, None)
