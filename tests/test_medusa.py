@@ -41,7 +41,7 @@ def test_tiny_training_lowers_the_loss_and_exports(trained):
   c, out, _ = trained
   hist = [json.loads(x) for x in open(os.path.join(c.workdir, "metrics.jsonl"))]
   losses = [h["loss"] for h in hist if "loss" in h]
-  assert len(losses) >= 3 and losses[-1] < 0.7 * losses[0], losses
+  assert len(losses) >= 3 and losses[-1] < losses[0] - 0.1, losses  # noise ~0.05
   assert out["estimate"]["tau"] >= 1.0
   assert os.path.getsize(os.path.join(c.workdir, "curves.png")) > 1000
   params, card = checkpoints.load_drafter(c.export, method="medusa")

@@ -202,3 +202,18 @@ def test_config_validation():
     tiny_config(num_heads=4, num_kv_heads=3)
   with pytest.raises(ValueError, match="dtype"):
     tiny_config(dtype="float16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_row_products_match_the_plain_product(dtype):
+  """The fused-reduction path for 1-16 rows (padded to a power of two) equals
+  x @ w^T on a weight large enough to take it."""
+  w = jax.random.normal(jax.random.PRNGKey(0), (1024, 256)).astype(dtype)
+  assert w.size >= transformer.SMALL_ROWS_MIN_WEIGHT
+  for shape in [(1, 1), (1, 2), (1, 3), (2, 3), (1, 5), (4, 4), (1, 16), (3, 7)]:
+    x = jax.random.normal(jax.random.PRNGKey(sum(shape)), (*shape, 256))
+    got = jax.jit(transformer._dot)(x, w)  # pylint: disable=protected-access
+    want = jnp.einsum("...d,fd->...f", x.astype(w.dtype).astype(jnp.float32),
+                      w.astype(jnp.float32), precision="highest")
+    assert got.shape == (*shape, 1024) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)

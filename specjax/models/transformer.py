@@ -82,11 +82,15 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
   rows = 1
   for n in x.shape[:-1]:
     rows *= n
-  small = (rows <= SMALL_ROWS_MAX and w.size >= SMALL_ROWS_MIN_WEIGHT
+  # bf16: at most 8 rows (XLA CPU lowers the 16-row bf16 reduction to a lossy
+  # kernel, ~0.5% error; tested in tests/test_transformer.py).
+  max_rows = SMALL_ROWS_MAX if w.dtype == jnp.float32 else 8
+  small = (rows <= max_rows and w.size >= SMALL_ROWS_MIN_WEIGHT
            and not (rows == 1 and w.dtype == jnp.float32))
   if small and jax.default_backend() == "cpu":
     padded = max(2, 1 << (rows - 1).bit_length())
-    xf = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+    # x is rounded to the weight dtype, as the plain product below does.
+    xf = x.reshape(rows, x.shape[-1]).astype(w.dtype).astype(jnp.float32)
     xf = jnp.pad(xf, ((0, padded - rows), (0, 0)))
     y = jnp.sum(w.astype(jnp.float32)[:, None, :] * xf[None, :, :], axis=-1)  # (F, padded)
     return y.T[:rows].reshape(*x.shape[:-1], w.shape[0])
