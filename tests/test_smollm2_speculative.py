@@ -15,6 +15,7 @@ from specjax.analysis import greedy_identity
 from specjax.analysis import montecarlo as mc
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
+from specjax.drafters import registry
 from specjax.drafters.draft_model import DraftModel, truncated_model
 from specjax.drafters.layer_skip import LayerSkip
 from specjax.drafters.prompt_lookup import PromptLookup
@@ -63,6 +64,8 @@ def delta(smollm2, category_prompts, ar_reference):
 def _drafters(model, reference):
   dparams, dcfg = truncated_model(model.params, model.cfg, 6)
   return [
+      registry.make_drafter("medusa", {"k": 3}, model),  # the shipped heads
+      registry.make_drafter("blockwise", {"k": 3}, model),
       (PromptLookup(k=4), None),
       (LayerSkip(k=3, layers=tuple(range(0, 30, 2))), None),
       (DraftModel(k=3, cfg=dcfg), dparams),
@@ -101,4 +104,19 @@ def test_long_horizon_pit_on_smollm2(smollm2, category_prompts):
   assert stats["accepted"] > 0 and stats["accepted"] < stats["proposed"]
   values = mc.pit_values(smollm2.params, cfg, prompt, samples[0], sampling, chunk=48)
   result = mc.pit_test(values)
+  assert result.pooled_pvalue > 1e-3, result
+
+
+def test_long_horizon_pit_shipped_medusa(smollm2, category_prompts):
+  """The shipped Medusa heads sampling at T = 1 for a T = 0.8 target: PIT-uniform."""
+  sampling = sampling_lib.SamplingConfig(temperature=0.8)
+  drafter, heads = registry.make_drafter("medusa", {"k": 3, "temperature": 1.0}, smollm2)
+  cfg = smollm2.cfg.replace(eos_id=-1)
+  prompt = category_prompts[0]  # the shapes of the PIT test above: compiled once
+  samples, stats = mc.sample_tokens(smollm2.params, cfg, drafter, [prompt], 48, 16,
+                                    draft_params=heads, spec=sp.SpecConfig(sampling=sampling),
+                                    chunk=48)
+  assert stats["accepted"] > 0 and stats["accepted"] < stats["proposed"]
+  result = mc.pit_test(mc.pit_values(smollm2.params, cfg, prompt, samples[0], sampling,
+                                     chunk=48))
   assert result.pooled_pvalue > 1e-3, result

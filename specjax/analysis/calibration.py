@@ -98,5 +98,9 @@ def _draft_loop(params, cfg, drafter, draft_params, state, steps):
     keys = batch_lib.purpose_keys(state.keys, batch_lib.DRAFT, state.round + i)
     proposal, _, _ = drafter.propose(draft_params, Target(params, cfg), state.drafter, ctx,
                                      state.cache, keys)
-    return jnp.minimum(jnp.abs(proposal.tokens[:, :1].sum()), 0).astype(jnp.int32) + zero
+    # Use every output (all k tokens, their q, the counts), or XLA drops the
+    # work that produced the unused ones.
+    used = (jnp.abs(proposal.tokens).sum() + jnp.abs(proposal.num_proposed).sum()
+            + (proposal.q.sum() > -1.0).astype(jnp.int32))
+    return jnp.minimum(used, 0).astype(jnp.int32) + zero
   return jax.lax.fori_loop(0, steps, body, jnp.zeros((), jnp.int32))
