@@ -100,8 +100,11 @@ def loss_fn(heads, target_params, cfg, batch, decay: float):
 
 
 def make_step(optimizer, target_params, cfg, decay: float):
+  """-> step(heads, opt_state, batch). The frozen target weights are an
+  argument of the jitted function, not a closed-over constant (XLA would
+  constant-fold transposes of the 113 MB LM head at compile time)."""
   @jax.jit
-  def step(heads, opt_state, batch):
+  def step_impl(heads, opt_state, batch, target_params):
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(heads, target_params, cfg,
                                                                     batch, decay)
     updates, opt_state = optimizer.update(grads, opt_state, heads)
@@ -109,6 +112,9 @@ def make_step(optimizer, target_params, cfg, decay: float):
     metrics = {"loss": loss, "positions": batch["h"].shape[0]}
     metrics.update({f"acc{i}": acc[i] for i in range(acc.shape[0])})
     return heads, opt_state, metrics
+
+  def step(heads, opt_state, batch):
+    return step_impl(heads, opt_state, batch, target_params)
   return step
 
 
