@@ -48,23 +48,11 @@ def get_config(arg=None):
   c.valid_max_positions = 4096
   c.workdir = "/tmp/specjax_train/medusa"
   c.export = os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", "medusa")
-  if arg == "tiny":
-    c.model = "tiny"
-    c.num_examples = 24
-    c.max_new_tokens = 24
-    c.seq_len = 48
-    c.feature_batch = 8
-    c.num_heads = 3
-    c.steps = 40
-    c.batch_positions = 64
-    c.lr = 3e-3
-    c.warmup = 5
-    c.eval_every = 20
-    c.save_every = 10
-    c.log_every = 10
-    c.valid_fraction = 0.2
-    c.workdir = "/tmp/specjax_train/medusa_tiny"
-    c.export = ""
+  if arg == "tiny":  # a tiny random target, trained in seconds (tests)
+    c.update(dict(model="tiny", num_examples=24, max_new_tokens=24, seq_len=48,
+                  feature_batch=8, num_heads=3, steps=40, batch_positions=64, lr=3e-3,
+                  warmup=5, eval_every=20, save_every=10, log_every=10, valid_fraction=0.2,
+                  workdir="/tmp/specjax_train/medusa_tiny", export=""))
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/medusa.py (known: tiny)")
   return c

@@ -56,8 +56,8 @@ def test_killed_run_resumes_to_identical_parameters(trained):
   assert first["step"] == 15 and "estimate" not in first
   resumed = run.run(cut, progress=lambda s: None)  # restarts from the step-10 checkpoint
   assert resumed["step"] == c.steps
-  a, step_a = loop.latest_params(c.workdir, None)
-  b, step_b = loop.latest_params(cut.workdir, None)
+  a, step_a = loop.latest_params(c.workdir)
+  b, step_b = loop.latest_params(cut.workdir)
   assert step_a == step_b == c.steps
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

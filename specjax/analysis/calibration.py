@@ -66,16 +66,10 @@ def draft_cost(params, cfg: ModelConfig, drafter, draft_params, prompt, *, steps
   drafter with no device work (prompt lookup's n-gram search is device work)
   measures ~0.
   """
-  from specjax.decoding import autoregressive as ar  # pylint: disable=import-outside-toplevel
-  from specjax.decoding import batch as batch_lib  # pylint: disable=import-outside-toplevel
   from specjax.decoding import speculative as sp  # pylint: disable=import-outside-toplevel
   spec = sp.SpecConfig() if sampling is None else sp.SpecConfig(sampling=sampling)
-  block = max(drafter.k + 1, drafter.block)
-  tokens, lengths, limits, width, slots = ar.prepare(cfg, [list(prompt)], 64, block, num_slots)
-  keys = batch_lib.request_keys(batch_lib.as_key(0), batch_lib.request_ids_for(1, None))
-  state = sp.prefill(params, cfg, drafter, draft_params, keys, jnp.asarray(tokens),
-                     jnp.asarray(lengths), jnp.asarray(limits), num_slots=slots, spec=spec,
-                     max_new_tokens=width)
+  state = sp.start(params, cfg, drafter, [list(prompt)], draft_params=draft_params, spec=spec,
+                   cache_slots=num_slots)
   loop = _draft_loop(params, cfg, drafter, draft_params, state, steps)
   loop.block_until_ready()  # compile
   times = []

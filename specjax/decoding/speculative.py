@@ -178,11 +178,12 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
       logits, hidden = (jnp.repeat(x[:, :1], k + 1, axis=1) for x in (logits, hidden))
     return logits, hidden, cache
 
-  narrow = jnp.all(num_proposed == 0) if spec.narrow_verify and k > 0 else jnp.bool_(False)
-  if spec.narrow_verify and k > 0:
+  if spec.narrow_verify:
+    narrow = jnp.all(num_proposed == 0)
     logits, hidden, cache = jax.lax.cond(narrow, lambda c: verify_forward(c, 1),
                                          lambda c: verify_forward(c, k + 1), cache)
   else:
+    narrow = jnp.bool_(False)
     logits, hidden, cache = verify_forward(cache, k + 1)
   if callable(spec.rule):
     p = sampling_lib.probs(logits, spec.sampling)
@@ -277,6 +278,22 @@ def _summarize(state: SpecState) -> dict:
   }
 
 
+def start(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
+          draft_params=None, key=0, spec: SpecConfig = SpecConfig(), max_new_tokens=64,
+          request_ids=None, cache_slots: Optional[int] = None) -> SpecState:
+  """Check the drafter, pad the prompts, derive per-request keys and prefill:
+  the state `decode` starts from (also what calibration measures proposals on)."""
+  drafter.check(cfg, draft_params)
+  tokens, lengths, limits, width, num_slots = ar.prepare(cfg, prompts, max_new_tokens,
+                                                         max(drafter.k + 1, drafter.block),
+                                                         cache_slots)
+  keys = batch_lib.request_keys(batch_lib.as_key(key),
+                                batch_lib.request_ids_for(len(prompts), request_ids))
+  return prefill(params, cfg, drafter, draft_params, keys, jnp.asarray(tokens),
+                 jnp.asarray(lengths), jnp.asarray(limits), num_slots=num_slots, spec=spec,
+                 max_new_tokens=width)
+
+
 def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
              draft_params=None, key=0, spec: SpecConfig = SpecConfig(), max_new_tokens=64,
              request_ids=None, cache_slots: Optional[int] = None) -> SpecResult:
@@ -285,16 +302,10 @@ def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Seque
   The same arguments as `autoregressive.generate`, plus the drafter, its
   params and the SpecConfig (target sampling settings and acceptance rule).
   """
-  drafter.check(cfg, draft_params)
-  tokens, lengths, limits, width, num_slots = ar.prepare(cfg, prompts, max_new_tokens,
-                                                         max(drafter.k + 1, drafter.block),
-                                                         cache_slots)
-  keys = batch_lib.request_keys(batch_lib.as_key(key),
-                                batch_lib.request_ids_for(len(prompts), request_ids))
   t0 = time.perf_counter()
-  state = prefill(params, cfg, drafter, draft_params, keys, jnp.asarray(tokens),
-                  jnp.asarray(lengths), jnp.asarray(limits), num_slots=num_slots, spec=spec,
-                  max_new_tokens=width)
+  state = start(params, cfg, drafter, prompts, draft_params=draft_params, key=key, spec=spec,
+                max_new_tokens=max_new_tokens, request_ids=request_ids, cache_slots=cache_slots)
+  num_slots = state.cache.num_slots
   state.num_tokens.block_until_ready()
   t1 = time.perf_counter()
   state = decode(params, cfg, drafter, draft_params, state, spec=spec)

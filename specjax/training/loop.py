@@ -119,7 +119,7 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
   return TrainResult(params=params, step=final_step, best_metric=best, history=history)
 
 
-def latest_params(workdir: str, like):
+def latest_params(workdir: str):
   """(params, step) of the newest training-state checkpoint in workdir."""
   mgr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "state"),
                               options=ocp.CheckpointManagerOptions(read_only=True))
