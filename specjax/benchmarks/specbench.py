@@ -71,7 +71,7 @@ TURN_IDS = 16
 # Settings that change a record's numbers; a resumed log must match them.
 SETTINGS = ("model", "dtype", "k", "temperature", "top_k", "top_p", "batch_size",
             "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model",
-            "checkpoint")
+            "checkpoint", "draft_vocab")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,7 +358,8 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
                            if st["rounds"] else None),
           "narrow_frac": _ratio(st["narrow_rounds"], st["rounds"]),
           **pred,
-          **meta,
+          **{k: v for k, v in meta.items() if k != "checkpoints"},
+          "checkpoint": (meta.get("checkpoints") or {}).get(m),
       })
   return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
            for k, v in row.items()} for row in out]
@@ -561,7 +562,8 @@ def run_benchmark(c, model: Optional[Model] = None,
       "temperature": sampling.temperature, "batch_size": batch_size, "k": c.k,
       "top_k": sampling.top_k, "top_p": sampling.top_p,
       "precision": engine.model.cfg.dtype if engine else str(c.dtype),
-      "seed": int(c.seed), "max_new_tokens": int(c.max_new_tokens), "checkpoint": None,
+      "seed": int(c.seed), "max_new_tokens": int(c.max_new_tokens),
+      "checkpoints": {m: registry.drafter_id(m, c) for m in methods},
       "commit": commit, "hardware": hardware(),
   }
   calib = None

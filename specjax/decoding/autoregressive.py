@@ -63,14 +63,19 @@ def emit(tokens, num_tokens, done, limit, new, eos_id, pad_id):
   return tokens, num_tokens, done
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_slots", "sampling", "max_new_tokens"))
+@functools.partial(jax.jit, static_argnames=("cfg", "num_slots", "sampling", "max_new_tokens",
+                                             "hidden_layers"))
 def prefill(params, cfg: ModelConfig, keys, prompt_tokens, prompt_lengths, limit, *,
-            num_slots: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: int):
-  """Prompt forward + first token. Returns the initial DecodeState."""
+            num_slots: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
+            hidden_layers=None):
+  """Prompt forward + first token. Returns the initial DecodeState, or
+  (DecodeState, hidden (B, T, Df)) when `hidden_layers` is given (a tuple, as
+  `transformer.forward` takes it; () for the final normed state)."""
   b, t = prompt_tokens.shape
   cache = cache_lib.init_cache(cfg, b, num_slots)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  logits, _, cache = transformer.forward(params, cfg, prompt_tokens, positions, cache)
+  logits, hidden, cache = transformer.forward(params, cfg, prompt_tokens, positions, cache,
+                                              hidden_layers=hidden_layers or ())
   cache = cache.with_length(prompt_lengths)
   first = sample_rows(batch_lib.purpose_keys(keys, batch_lib.PREFILL_SAMPLE),
                       first_token_logits(logits, prompt_lengths), sampling)
@@ -78,8 +83,9 @@ def prefill(params, cfg: ModelConfig, keys, prompt_tokens, prompt_lengths, limit
   done = jnp.zeros((b,), bool)
   tokens, num_tokens, done = emit(tokens, jnp.zeros((b,), jnp.int32), done, limit, first,
                                   cfg.eos_id, cfg.pad_id)
-  return DecodeState(step=jnp.zeros((), jnp.int32), cache=cache, keys=keys, last=first,
-                     tokens=tokens, num_tokens=num_tokens, limit=limit, done=done)
+  state = DecodeState(step=jnp.zeros((), jnp.int32), cache=cache, keys=keys, last=first,
+                      tokens=tokens, num_tokens=num_tokens, limit=limit, done=done)
+  return state if hidden_layers is None else (state, hidden)
 
 
 def decode_step(params, cfg: ModelConfig, sampling: sampling_lib.SamplingConfig,

@@ -132,13 +132,21 @@ def prefill(params, cfg: ModelConfig, drafter: Drafter, draft_params, keys, prom
             prompt_lengths, limit, *, num_slots: int, spec: SpecConfig, max_new_tokens: int):
   """Target prefill + first token, drafter init. Returns the initial SpecState."""
   b, t = prompt_tokens.shape
-  base = ar.prefill(params, cfg, keys, prompt_tokens, prompt_lengths, limit,
-                    num_slots=num_slots, sampling=spec.sampling, max_new_tokens=max_new_tokens)
+  if drafter.needs_prefill_hidden:
+    base, hidden = ar.prefill(params, cfg, keys, prompt_tokens, prompt_lengths, limit,
+                              num_slots=num_slots, sampling=spec.sampling,
+                              max_new_tokens=max_new_tokens,
+                              hidden_layers=tuple(drafter.layers_for(cfg)))
+    extra = {"hidden": hidden}
+  else:
+    base = ar.prefill(params, cfg, keys, prompt_tokens, prompt_lengths, limit,
+                      num_slots=num_slots, sampling=spec.sampling, max_new_tokens=max_new_tokens)
+    extra = {}
   history = jnp.full((b, num_slots), cfg.pad_id, jnp.int32)
   history = history.at[:, :t].set(prompt_tokens)
   history = history.at[jnp.arange(b), prompt_lengths].set(base.last)
   dstate = drafter.init(draft_params, Target(params, cfg), prompt_tokens, prompt_lengths,
-                        num_slots)
+                        num_slots, **extra)
   k = drafter.k
   zeros = jnp.zeros((b,), jnp.int32)
   metrics = Metrics(rounds=zeros, emitted=zeros, proposed=zeros, accepted=zeros,
@@ -173,7 +181,8 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
   def verify_forward(cache, width):
     logits, hidden, cache = transformer.forward(params, cfg, fed[:, :width],
                                                 transformer.chain_positions(cache, width), cache,
-                                                active=active)
+                                                active=active,
+                                                hidden_layers=tuple(drafter.layers_for(cfg)))
     if width < k + 1:  # only position 0 is read when nothing was proposed
       logits, hidden = (jnp.repeat(x[:, :1], k + 1, axis=1) for x in (logits, hidden))
     return logits, hidden, cache

@@ -128,6 +128,14 @@ class Drafter:
   # Whether proposals are deterministic given the history (one-hot q).
   deterministic = False
   name = "drafter"
+  # Whether `init` needs the target's prefill hidden states (`hidden=`, the
+  # layers `layers_for` names): feature-level drafters (EAGLE).
+  needs_prefill_hidden = False
+
+  def layers_for(self, target_cfg) -> tuple:
+    """`hidden_layers` the target's forwards return for this drafter (`VerifyOutput.hidden`);
+    () is the final normed hidden state."""
+    return ()
 
   @property
   def block(self) -> int:
@@ -148,7 +156,8 @@ class Drafter:
           f"({target_cfg.vocab_size}); speculative decoding needs a shared vocabulary")
 
   def init(self, params, target, prompt_tokens, prompt_lengths, num_slots: int) -> Any:
-    """Per-request state after the prompt (e.g. a prefilled draft cache)."""
+    """Per-request state after the prompt (e.g. a prefilled draft cache).
+    Drafters with `needs_prefill_hidden` also get `hidden=` (B, T, Df)."""
     return ()
 
   def propose(self, params, target, state, ctx: Context, target_cache: KVCache,

@@ -18,6 +18,9 @@ None fields take the defaults below); it is typically the run's ConfigDict:
                  shipped for SmolLM2-135M in specjax/checkpoints/); guesses
                  drawn from each head's q with the target's sampling settings
   blockwise      the same heads' top-1 chain (Stern et al.; one-hot q)
+  eagle, eagle3  k, checkpoint (default: the shipped head), draft_vocab (default:
+                 the checkpoint's own draft vocabulary; 'full' for the whole
+                 vocabulary; N for the N most frequent tokens of its training data)
   lookahead      k and the fields `specjax.drafters.lookahead.Lookahead` declares
                  (available once that module exists)
 
@@ -46,12 +49,13 @@ from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.replay import AlwaysReject, Replay, ReplayParams
 
 BUILTIN = ("prompt_lookup", "layer_skip", "draft_model", "replay", "always_reject", "medusa",
-           "blockwise")
+           "blockwise", "eagle", "eagle3")
 # Trained drafters shipped with the package: checkpoints/<target>/<kind>.
 CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "checkpoints")
 SHIPPED_TARGET = "smollm2-135m"
-_CHECKPOINT_KIND = {"medusa": "medusa", "blockwise": "medusa"}
+_CHECKPOINT_KIND = {"medusa": "medusa", "blockwise": "medusa", "eagle": "eagle",
+                    "eagle3": "eagle3"}
 LOOKAHEAD_MODULE = "specjax.drafters.lookahead"
 
 
@@ -65,6 +69,7 @@ def add_config_fields(c) -> None:
   c.layers = ml_collections.config_dict.placeholder(str)  # layer_skip, e.g. '0-9'
   c.draft_model = ml_collections.config_dict.placeholder(str)  # draft_model, e.g. 'self:10'
   c.checkpoint = ml_collections.config_dict.placeholder(str)  # trained drafters (medusa, ...)
+  c.draft_vocab = ml_collections.config_dict.placeholder(str)  # eagle(3): 'full' or N tokens
 
 
 def apply_variants(c, arg, config_name: str) -> None:
@@ -156,6 +161,20 @@ def shipped_checkpoint(kind: str) -> str:
   return os.path.join(CHECKPOINT_DIR, SHIPPED_TARGET, kind)
 
 
+def drafter_id(method: str, config) -> Optional[str]:
+  """Which trained weights a method uses (for result records): the checkpoint
+  path relative to the shipped ones when it is shipped, plus the draft
+  vocabulary choice; None for training-free drafters."""
+  if method not in _CHECKPOINT_KIND:
+    return None
+  path = _field(config, "checkpoint") or shipped_checkpoint(_CHECKPOINT_KIND[method])
+  path = os.path.abspath(path)
+  if path.startswith(CHECKPOINT_DIR + os.sep):
+    path = os.path.relpath(path, CHECKPOINT_DIR)
+  vocab = _field(config, "draft_vocab") if method in ("eagle", "eagle3") else None
+  return path + (f" (draft_vocab={vocab})" if vocab else "")
+
+
 def _trained(method: str, config, target_model):
   """A trained drafter's params from `config.checkpoint` or the shipped one;
   the checkpoint's target fingerprint must match this target."""
@@ -219,6 +238,13 @@ def make_drafter(method: str, config, target_model, *, reference=None,
     return drafter, reference_params(reference, reference_width, cfg.pad_id)
   if method == "always_reject":
     return AlwaysReject(k=k), None
+  if method in ("eagle", "eagle3"):
+    from specjax.drafters import eagle  # pylint: disable=import-outside-toplevel
+    params = _trained(method, config, target_model)
+    params = eagle.with_draft_vocab(params, _field(config, "draft_vocab"), cfg)
+    drafter = eagle.Eagle(k=k, sampling=sampling, fused=method == "eagle3")
+    drafter.check(cfg, params)
+    return drafter, eagle.prepare(params, target_model.params, cfg)
   if method in _CHECKPOINT_KIND:
     params = _trained(method, config, target_model)
     cls = Medusa if method == "medusa" else Blockwise

@@ -1,6 +1,6 @@
-"""One training run from a config (configs/medusa.py): self-distillation data
--> target features -> optax training with orbax checkpoints -> exported,
-fingerprinted drafter checkpoint."""
+"""One training run from a config (configs/medusa.py, configs/eagle.py,
+configs/eagle3.py): self-distillation data -> target features -> optax
+training with orbax checkpoints -> exported, fingerprinted drafter checkpoint."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
-from specjax.drafters import medusa
+from specjax.drafters import eagle, medusa
 from specjax.io.load import Model, load_model
 from specjax.models import transformer
 from specjax.models.config import tiny_config
-from specjax.training import checkpoints, distill_data, loop, medusa_train
+from specjax.training import checkpoints, distill_data, eagle_train, loop, medusa_train
 
 TINY = "tiny"  # a small random target (tests): token prompts, no tokenizer
 
@@ -66,6 +66,11 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
   train_seqs = distill_data.sequences(records, "train")
   valid_seqs = distill_data.sequences(records, "valid") or train_seqs[:2]
   progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")
+  method = c.get("method", "medusa")
+  if method in ("eagle", "eagle3"):
+    return _run_eagle(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
+  if method != "medusa":
+    raise ValueError(f"unknown drafter to train {method!r} (known: medusa, eagle, eagle3)")
   # 2. features (once; reused by every epoch)
   t0 = time.perf_counter()
   pool = medusa_train.FeaturePool.build(model.params, model.cfg, train_seqs, seq_len=c.seq_len,
@@ -112,6 +117,74 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
             "train_positions": len(pool), "valid_positions": len(vsub),
             "estimated": final_eval, "wall_s": round(time.perf_counter() - t_start, 1)}
     checkpoints.save_drafter(c.export, best, card)
+    out["export"] = c.export
+    progress(f"exported {c.export}")
+  return out
+
+
+def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_start):
+  """EAGLE (c.method == 'eagle') or EAGLE-3 ('eagle3') head training."""
+  cfg = model.cfg
+  fused = c.method == "eagle3"
+  taps = eagle.eagle3_layers(cfg) if fused else ()
+  t0 = time.perf_counter()
+  pool = eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len, taps=taps,
+                                   batch_size=c.feature_batch, progress=progress)
+  vpool = eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len, taps=taps,
+                                    batch_size=c.feature_batch)
+  progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
+           f"{time.perf_counter() - t0:.0f}s")
+  vocab = None
+  if c.draft_vocab:
+    counts = eagle_train.token_counts(train_seqs, cfg.vocab_size)
+    vocab = eagle_train.reduced_vocab(counts, c.draft_vocab, always=(cfg.eos_id,))
+    covered = counts[vocab].sum() / max(counts.sum(), 1)
+    progress(f"reduced draft vocabulary: {len(vocab)} tokens cover {covered:.1%} of the "
+             "training answers' tokens")
+    vocab = jnp.asarray(vocab)
+  head0 = eagle.init_head(jax.random.PRNGKey(c.seed), cfg, fused=fused)
+  opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
+  step_fn = eagle_train.make_step(opt, model.params, cfg, vocab=vocab, steps=c.ttt_steps,
+                                  w_reg=0.0 if fused else c.w_reg, w_cls=c.w_cls, decay=c.decay,
+                                  noise=0.0 if fused else c.noise)
+
+  def batch_fn(step):
+    rng = np.random.default_rng([c.seed, step])
+    b = pool.batch(rng, c.batch_windows, c.window)
+    b = jax.tree.map(jnp.asarray, b)
+    b["key"] = jax.random.fold_in(jax.random.PRNGKey(c.seed), step)
+    return b
+
+  windows = vpool.eval_windows(c.window, c.valid_max_windows or None)
+
+  def eval_fn(head):
+    return eagle_train.estimate(head, model.params, cfg, windows, c.eval_k, vocab)
+
+  result = loop.train(workdir=c.workdir, init_params=head0, optimizer=opt, step_fn=step_fn,
+                      batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
+                      eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
+                      log_every=c.log_every, progress=progress, stop_after=stop_after)
+  out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
+         "valid_windows": len(windows), "wall_s": time.perf_counter() - t_start}
+  if result.step < c.steps:
+    return out
+  best, best_step = loop.best_params(c.workdir, head0)
+  best = best if best is not None else result.params
+  final_eval = eval_fn(best)
+  out.update(best_step=best_step, estimate=final_eval)
+  if c.export:
+    rank = np.lexsort((np.arange(cfg.vocab_size),
+                       -eagle_train.token_counts(train_seqs, cfg.vocab_size)))
+    params = dict(best, vocab_rank=jnp.asarray(rank, jnp.int32),
+                  **({} if vocab is None else {"vocab": vocab}))
+    card = {"method": c.method, "fused_layers": list(taps),
+            "draft_vocab": 0 if vocab is None else int(len(vocab)),
+            "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(
+                model.params, cfg),
+            "config": json.loads(c.to_json()), "train_steps": c.steps, "best_step": best_step,
+            "train_positions": pool.num_positions, "valid_windows": len(windows),
+            "estimated": final_eval, "wall_s": round(time.perf_counter() - t_start, 1)}
+    checkpoints.save_drafter(c.export, params, card)
     out["export"] = c.export
     progress(f"exported {c.export}")
   return out

@@ -1,0 +1,74 @@
+"""Train an EAGLE head (or, with configs/eagle3.py, an EAGLE-3 head) on SmolLM2.
+
+  python experiments/train.py --config=configs/eagle.py
+  python experiments/train.py --config=configs/eagle.py:reduced   # 8192-token draft vocab
+  python experiments/train.py --config=configs/eagle.py:tiny      # seconds, tests
+
+Self-distillation data is generated (and resumed) at `data_path` (default
+`workdir`/distill.jsonl; num_examples=0 trains on what the file holds);
+training resumes from `workdir`; the best head (by the teacher-forced tau
+estimate of a k=`eval_k` chain on the validation split) is exported to
+`export` with a card and the target's fingerprint.
+"""
+
+import os
+
+import ml_collections
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def get_config(arg=None, method="eagle"):
+  c = ml_collections.ConfigDict()
+  c.method = method
+  c.model = "smollm2-135m"
+  c.dtype = "float32"
+  # data
+  c.sources = "alpaca,code_alpaca,gpteacher_code,gsm8k_train"
+  c.num_examples = 600
+  c.max_new_tokens = 192
+  c.max_prompt_tokens = 192
+  c.gen_batch_size = 16
+  c.sample_fraction = 0.25
+  c.valid_fraction = 0.05
+  c.data_path = ""
+  c.seed = 0
+  # features
+  c.seq_len = 384
+  c.feature_batch = 4
+  # head and training
+  c.draft_vocab = 0  # 0: the full vocabulary; else the N most frequent answer tokens
+  c.ttt_steps = 3 if method == "eagle3" else 1  # unrolled steps (EAGLE-3's training-time test)
+  c.w_reg = 1.0  # EAGLE: feature regression (smooth L1)
+  c.w_cls = 0.1 if method == "eagle" else 1.0
+  c.noise = 0.1  # EAGLE: uniform feature noise U(-noise, noise)
+  c.decay = 0.8  # weight of unrolled step s: decay**s
+  c.window = 128
+  c.batch_windows = 4
+  c.steps = 2000
+  c.lr = 1e-3
+  c.warmup = 100
+  c.weight_decay = 0.0
+  c.clip = 1.0
+  c.eval_k = 4
+  c.eval_every = 250
+  c.save_every = 250
+  c.log_every = 25
+  c.valid_max_windows = 48
+  c.workdir = f"/tmp/specjax_train/{method}"
+  c.export = os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", method)
+  if arg == "tiny":  # a tiny random target, trained in seconds (tests)
+    c.update(dict(model="tiny", num_examples=24, max_new_tokens=24, seq_len=48,
+                  feature_batch=8, window=16, batch_windows=8, steps=40, lr=3e-3, warmup=5,
+                  eval_every=20, save_every=10, log_every=10, valid_fraction=0.2, eval_k=3,
+                  valid_max_windows=16, workdir=f"/tmp/specjax_train/{method}_tiny", export=""))
+  elif arg == "reduced":
+    c.update(dict(draft_vocab=8192, workdir=f"/tmp/specjax_train/{method}_v8k",
+                  export=c.export + "_v8k"))
+  elif arg == "tiny_reduced":
+    c = get_config("tiny", method)
+    c.draft_vocab = 32
+  elif arg:
+    raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
+                     "(known: tiny, reduced, tiny_reduced)")
+  return c

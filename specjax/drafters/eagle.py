@@ -1,0 +1,365 @@
+"""EAGLE (Li et al. 2024, arXiv:2401.15077) and EAGLE-3 (arXiv:2503.01840)
+feature-level drafting heads on a frozen target.
+
+The head is one decoder layer (the target's layer shape) that autoregresses
+at the feature level. Its input at position j is the pair
+
+    u_j = FC([g_j ; emb(x_{j+1})])          (2D -> D)
+
+where emb is the target's frozen embedding and g_j a feature of position j:
+
+* EAGLE: g_j = f_j, the target's final normed hidden state at j (the state
+  whose LM-head output predicts x_{j+1}); the head's output a_j regresses
+  f_{j+1}, and logits = LMHead_target(a_j) predict x_{j+2}.
+* EAGLE-3: g_j = Fuse([n(l_j) ; n(m_j) ; n(h_j)]) (3D -> D), low / middle /
+  high layer outputs of the target (n: parameter-free RMS normalisation);
+  no feature regression: logits = LMHead(RMSNorm(a_j)).
+
+While drafting, positions past the committed prefix have no target feature:
+the head feeds its own output a_{j-1} as g_j (for EAGLE-3 in place of the
+fused feature, as in its training-time test).
+
+Reduced draft vocabulary (optional, params["vocab"]: (Vd,) int32 token ids,
+the most frequent target tokens): the draft logits are computed only for
+those tokens through the matching rows of the target's LM head, and q is
+zero elsewhere. q is still exactly what each guess was drawn from, so the
+chain rule stays exact; only acceptance can suffer. On SmolLM2 the 49152-row
+LM head dominates every draft step.
+
+Decoding keeps a one-layer KV cache of the committed history. Invariant
+(after `commit`): the head's cache holds the pairs of positions
+0 .. m-1 built from the target's true features; `pending` holds the target's
+features of positions m .. m + count - 1 (from the last verify forward, or
+the prefill), whose pairs are fed at the start of the next `propose` together
+with the committed tokens x_{j+1} -- so the entries written for accepted
+positions during drafting (from the head's own features) are rewritten from
+the target's true features, and the bonus token, which has no feature yet,
+is only ever the token half of a pair. The drafted chain's own entries are
+dropped in `commit` by lowering the fill level.
+
+Params: {"fc": (D, 2D), "layer": {attn_norm, wqkv, wo, mlp_norm, w_gate_up,
+w_down} (one target-shaped layer), "norm": (D,) (EAGLE-3), "fuse": (D, 3D)
+(EAGLE-3), "vocab": (Vd,) (optional)}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.drafters.base import Drafter, Proposal, cut_at_eos
+from specjax.models import cache as cache_lib
+from specjax.models import transformer
+from specjax.models.config import ModelConfig
+
+
+def eagle3_layers(cfg: ModelConfig) -> Tuple[int, int, int]:
+  """Low / middle / high target layers EAGLE-3 fuses (outputs of these layers)."""
+  n = cfg.num_layers
+  return (min(2, n - 1), n // 2, max(n - 3, 0))
+
+
+def head_config(cfg: ModelConfig) -> ModelConfig:
+  """The one-layer head's config: the target's layer shape."""
+  return cfg.replace(num_layers=1)
+
+
+def init_head(key: jax.Array, cfg: ModelConfig, *, fused: bool,
+              vocab: Optional[jax.Array] = None) -> dict:
+  """Random head (float32): a fresh target-shaped layer, FC near [I, 0]."""
+  d = cfg.dim
+  k_layer, k_fc, k_fuse = jax.random.split(key, 3)
+  layer = transformer.init(k_layer, head_config(cfg).replace(dtype="float32"))["layers"][0]
+  # The layer's output projections start small: the head starts close to
+  # "the next feature is this one" and learns the residual.
+  layer["wo"] = layer["wo"] * 0.1
+  layer["w_down"] = layer["w_down"] * 0.1
+  fc = jnp.concatenate([jnp.eye(d), jax.random.normal(k_fc, (d, d)) * 0.02 / jnp.sqrt(d)], 1)
+  p = {"fc": fc.astype(jnp.float32), "layer": layer}
+  if fused:
+    eye3 = jnp.concatenate([jnp.eye(d) / 3] * 3, axis=1)
+    p["fuse"] = (eye3 + jax.random.normal(k_fuse, (d, 3 * d)) * 0.01 / jnp.sqrt(d)).astype(
+        jnp.float32)
+    p["norm"] = jnp.ones((d,), jnp.float32)
+  if vocab is not None:
+    p["vocab"] = jnp.asarray(vocab, jnp.int32)
+  return p
+
+
+def _unit_rms(x: jax.Array, eps: float) -> jax.Array:
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def fuse(head: dict, cfg: ModelConfig, feats: jax.Array) -> jax.Array:
+  """Target features (..., Df) -> g (..., D): identity for EAGLE, the fused
+  low/mid/high layers for EAGLE-3."""
+  if "fuse" not in head:
+    return feats.astype(jnp.float32)
+  d = cfg.dim
+  parts = [_unit_rms(feats[..., i * d:(i + 1) * d], cfg.norm_eps) for i in range(3)]
+  return transformer._dot(jnp.concatenate(parts, -1), head["fuse"])  # pylint: disable=protected-access
+
+
+def pair_inputs(head: dict, target_params, cfg: ModelConfig, g: jax.Array,
+                tokens: jax.Array) -> jax.Array:
+  """u = FC([g ; emb(tokens)]): (..., D)."""
+  e = transformer.embed(target_params, tokens)
+  return transformer._dot(jnp.concatenate([g.astype(jnp.float32), e], -1), head["fc"])  # pylint: disable=protected-access
+
+
+def layer_qkv(layer: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+  b, t = x.shape[:2]
+  hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  h = transformer.rms_norm(x, layer["attn_norm"], cfg.norm_eps)
+  qkv = transformer._dot(h, layer["wqkv"])  # pylint: disable=protected-access
+  q = qkv[..., : hq * dh].reshape(b, t, hq, dh)
+  k = qkv[..., hq * dh:(hq + hkv) * dh].reshape(b, t, hkv, dh)
+  v = qkv[..., (hq + hkv) * dh:].reshape(b, t, hkv, dh)
+  return (transformer.rope(q, positions, cfg.rope_theta),
+          transformer.rope(k, positions, cfg.rope_theta), v)
+
+
+def layer_out(layer: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
+  dot = transformer._dot  # pylint: disable=protected-access
+  x = x + dot(attn, layer["wo"])
+  h = transformer.rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
+  gate, up = jnp.split(dot(h, layer["w_gate_up"]), 2, axis=-1)
+  return x + dot(jax.nn.silu(gate) * up, layer["w_down"])
+
+
+def head_step(head: dict, target_params, cfg: ModelConfig, g: jax.Array, tokens: jax.Array,
+              positions: jax.Array, cache: cache_lib.KVCache, *,
+              active: Optional[jax.Array] = None) -> Tuple[jax.Array, cache_lib.KVCache]:
+  """Feed T pairs (g (B, T, D), tokens (B, T)) at the cache's fill level.
+  Returns the head's outputs a (B, T, D) and the cache advanced by T."""
+  x = pair_inputs(head, target_params, cfg, g, tokens)
+  q, k, v = layer_qkv(head["layer"], cfg, x, positions)
+  length = cache.length
+  t = tokens.shape[1]
+  new_k = transformer._write(cache.k[0], k, length, active)  # pylint: disable=protected-access
+  new_v = transformer._write(cache.v[0], v, length, active)  # pylint: disable=protected-access
+  allowed = transformer.attention_mask(length, t, cache.num_slots)
+  attn = transformer._attention(q, new_k, new_v, allowed, cfg)  # pylint: disable=protected-access
+  a = layer_out(head["layer"], cfg, x, attn)
+  step = jnp.full(length.shape, t, jnp.int32)
+  if active is not None:
+    step = jnp.where(active, step, 0)
+  return a, cache_lib.KVCache(k=(new_k,), v=(new_v,), length=length + step)
+
+
+def head_weights(head: dict, target_params, cfg: ModelConfig) -> jax.Array:
+  """The draft LM head: the target's (tied) head, or its rows for the reduced vocabulary.
+  A loaded checkpoint carries the gathered rows as "lm_rows" (see `prepare`)."""
+  if "lm_rows" in head:
+    return head["lm_rows"]
+  w = target_params["embed"] if cfg.tie_embeddings else target_params["lm_head"]
+  if "vocab" in head:
+    w = jnp.take(w, head["vocab"], axis=0)
+  return w
+
+
+def draft_logits(head: dict, target_params, cfg: ModelConfig, a: jax.Array,
+                 w: Optional[jax.Array] = None) -> jax.Array:
+  """Head output (..., D) -> float32 logits over the draft vocabulary (..., Vd)."""
+  if "norm" in head:
+    a = transformer.rms_norm(a, head["norm"], cfg.norm_eps)
+  w = head_weights(head, target_params, cfg) if w is None else w
+  return transformer._dot(a, w)  # pylint: disable=protected-access
+
+
+def prepare(head: dict, target_params, cfg: ModelConfig) -> dict:
+  """Gather the reduced vocabulary's LM-head rows once (not stored in the
+  checkpoint: they are the target's). No-op for a full-vocabulary head."""
+  if "vocab" not in head or "lm_rows" in head:
+    return head
+  return dict(head, lm_rows=head_weights(head, target_params, cfg))
+
+
+def with_draft_vocab(head: dict, draft_vocab, cfg: ModelConfig) -> dict:
+  """Choose the draft vocabulary at load time.
+
+  None: as the checkpoint holds it; "full": the whole vocabulary (the head's
+  output read through every LM-head row); N: the N most frequent tokens of
+  the head's training answers (its "vocab_rank", most frequent first), EOS
+  always included. The ranking itself is never an input of drafting.
+  """
+  rank = head.get("vocab_rank")
+  head = {k: v for k, v in head.items() if k not in ("vocab_rank", "lm_rows")}
+  if draft_vocab is None or draft_vocab == "":
+    return head
+  if str(draft_vocab) == "full":
+    head.pop("vocab", None)
+    return head
+  try:
+    n = int(draft_vocab)
+  except (TypeError, ValueError):
+    raise ValueError(f"draft_vocab must be 'full' or a number of tokens, got {draft_vocab!r}") \
+        from None
+  if not 1 <= n <= cfg.vocab_size:
+    raise ValueError(f"draft_vocab={n}: must lie in [1, {cfg.vocab_size}]")
+  return rank_vocab(head, n, cfg, rank)
+
+
+def rank_vocab(head: dict, n: int, cfg: ModelConfig, rank) -> dict:
+  """The head restricted to the n first tokens of `rank` (most frequent first)."""
+  if rank is None:
+    raise ValueError("draft_vocab=N needs the checkpoint's token ranking ('vocab_rank'); "
+                     "this checkpoint has none: use 'full' or its own vocabulary")
+  rank = np.asarray(rank)
+  if "vocab" in head:  # a head trained on a subset can only be narrowed further
+    rank = rank[np.isin(rank, np.asarray(head["vocab"]))]
+  keep = list(rank[:n])
+  if cfg.eos_id >= 0 and cfg.eos_id not in keep:
+    keep = keep[:max(n - 1, 0)] + [cfg.eos_id]
+  out = {k: v for k, v in head.items() if k not in ("vocab_rank", "lm_rows")}
+  out["vocab"] = jnp.asarray(np.sort(np.asarray(keep, np.int32)))
+  return out
+
+
+@flax.struct.dataclass
+class EagleState:
+  cache: cache_lib.KVCache  # the head's one-layer cache: pairs of positions < base
+  pending: jax.Array  # (B, W, Df) target features of positions base .. base + count - 1
+  count: jax.Array  # (B,) int32 in [1, W]
+  base: jax.Array  # (B,) int32: committed entries after the catch-up of this round
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle(Drafter):
+  """EAGLE / EAGLE-3 chain drafter (k guesses, q from the head's distribution
+  under the target's sampling settings)."""
+
+  sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
+  fused: bool = False  # EAGLE-3
+  name = "eagle"
+  needs_prefill_hidden = True
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.fused:
+      object.__setattr__(self, "name", "eagle3")
+
+  @property
+  def block(self) -> int:
+    # The verify forward's k + 1; the head writes its pending pairs (<= k + 1)
+    # then k - 1 drafted pairs past its committed prefix (which trails the
+    # target's by one).
+    return 2 * self.k + 1
+
+  def check(self, target_cfg, params) -> None:
+    if params is None or "fc" not in params or "layer" not in params:
+      raise ValueError(f"{self.name}: needs a trained head (params with 'fc' and 'layer'); "
+                       "load a checkpoint or train one with experiments/train.py")
+    d = target_cfg.dim
+    want_in = 2 * d
+    if params["fc"].shape != (d, want_in):
+      raise ValueError(f"{self.name}: head FC of shape {tuple(params['fc'].shape)} cannot serve "
+                       f"a target of width {d} (expected {(d, want_in)})")
+    if self.fused != ("fuse" in params):
+      raise ValueError(f"{self.name}: the checkpoint is an "
+                       f"{'EAGLE-3' if 'fuse' in params else 'EAGLE'} head")
+    if "vocab" in params:
+      v = params["vocab"]
+      if v.ndim != 1 or int(jnp.max(v)) >= target_cfg.vocab_size or int(jnp.min(v)) < 0:
+        raise ValueError(f"{self.name}: reduced vocabulary ids must lie in "
+                         f"[0, {target_cfg.vocab_size})")
+
+  def layers_for(self, cfg: ModelConfig) -> Tuple[int, ...]:
+    """`hidden_layers` of the target forwards this drafter reads ((): final normed)."""
+    return eagle3_layers(cfg) if self.fused else ()
+
+  def _draw(self, head, target, logits, keys, i):
+    """One guess per row from the draft logits (B, Vd) -> (x (B,), q (B, V))."""
+    q_sub = sampling_lib.probs(logits, self.sampling)
+    if self.sampling.greedy:
+      j = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+      sub = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
+      j = jax.vmap(sampling_lib.sample_from_probs)(sub, q_sub)
+    if "vocab" not in head:
+      return j, q_sub
+    vocab = head["vocab"]
+    q = jnp.zeros((logits.shape[0], target.cfg.vocab_size), jnp.float32)
+    q = q.at[:, vocab].set(q_sub)
+    return vocab[j], q
+
+  def init(self, params, target, prompt_tokens, prompt_lengths, num_slots, hidden=None):
+    """Pairs of prompt positions 0 .. P-2 into the head's cache; the feature
+    of position P-1 waits in `pending` (its pair needs the first generated token)."""
+    if hidden is None:
+      raise ValueError(f"{self.name}: init needs the target's prefill hidden states")
+    cfg = target.cfg
+    b, t = prompt_tokens.shape
+    w = self.k + 1
+    cache = cache_lib.init_cache(head_config(cfg), b, num_slots, dtype=jnp.float32)
+    if t > 1:
+      pos = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
+      g = fuse(params, cfg, hidden[:, :t - 1])
+      _, cache = head_step(params, target.params, cfg, g, prompt_tokens[:, 1:], pos, cache)
+    cache = cache.with_length(prompt_lengths - 1)
+    last = jnp.take_along_axis(hidden, (prompt_lengths - 1)[:, None, None], axis=1)  # (B,1,Df)
+    pending = jnp.zeros((b, w, hidden.shape[-1]), jnp.float32).at[:, :1].set(last)
+    return EagleState(cache=cache, pending=pending, count=jnp.ones((b,), jnp.int32),
+                      base=prompt_lengths - 1)
+
+  def propose(self, params, target, state, ctx, target_cache, keys):
+    cfg = target.cfg
+    w = self.k + 1
+    cache = state.cache
+    m = cache.length
+    # Catch up: the pending pairs (true target features, committed tokens).
+    idx = jnp.minimum(m[:, None] + 1 + jnp.arange(w)[None], ctx.history.shape[1] - 1)
+    toks = jnp.take_along_axis(ctx.history, idx, axis=1)
+    g = fuse(params, cfg, state.pending)
+    a, cache = head_step(params, target.params, cfg, g, toks,
+                         transformer.chain_positions(cache, w), cache, active=ctx.active)
+    base = jnp.where(ctx.active, m + state.count, m)
+    cache = cache.with_length(base)
+    a_last = jnp.take_along_axis(a, (state.count - 1)[:, None, None], axis=1)[:, 0]  # (B, D)
+    lm_w = head_weights(params, target.params, cfg)
+    first = draft_logits(params, target.params, cfg, a_last, lm_w)
+
+    # The chain: the head's own output stands in for the next position's feature.
+    def step(carry, x):
+      c, a_prev = carry
+      a_new, c = head_step(params, target.params, cfg, a_prev[:, None], x[:, None],
+                           transformer.chain_positions(c, 1), c, active=ctx.active)
+      a_new = a_new[:, 0]
+      return draft_logits(params, target.params, cfg, a_new, lm_w), (c, a_new)
+
+    tokens, q, (cache, _) = self._chain(step, (cache, a_last), first, keys, params, target)
+    num = cut_at_eos(tokens, jnp.full(tokens.shape[:1], self.k, jnp.int32), cfg.eos_id)
+    num = jnp.where(ctx.active, num, 0)
+    return (Proposal(tokens=tokens, q=q, num_proposed=num),
+            state.replace(cache=cache, base=base), target_cache)
+
+  def _chain(self, step, carry, first_logits, keys, head, target):
+    """sample_chain with the reduced-vocabulary mapping of `_draw`."""
+    x0, q0 = self._draw(head, target, first_logits, keys, 0)
+
+    def body(c, i):
+      carry, x = c
+      logits, carry = step(carry, x)
+      x_next, q = self._draw(head, target, logits, keys, i)
+      return (carry, x_next), (x_next, q)
+
+    (carry, _), (xs, qs) = jax.lax.scan(body, (carry, x0), jnp.arange(1, self.k))
+    tokens = jnp.concatenate([x0[:, None], jnp.moveaxis(xs, 0, 1)], axis=1)
+    q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
+    return tokens, q, carry
+
+  def commit(self, params, state, ctx, verify):
+    act = ctx.active
+    return EagleState(
+        cache=state.cache.with_length(state.base),
+        pending=jnp.where(act[:, None, None], verify.hidden.astype(jnp.float32), state.pending),
+        count=jnp.where(act, verify.num_accepted + 1, state.count),
+        base=state.base)
+

@@ -1,0 +1,313 @@
+"""Training EAGLE and EAGLE-3 heads on the frozen target's own answers.
+
+Features: one target forward per batch of sequences, kept in host memory per
+sequence (the final normed hidden state f, and for EAGLE-3 also the low /
+middle / high layer outputs), reused by every epoch.
+
+Training windows: T consecutive positions j of one sequence. The head reads
+the pairs (g_j, x_{j+1}) and its output a_j is trained to give the target's
+distribution p_{j+1} = softmax(LMHead(f_{j+1})) (the distribution of
+x_{j+2}; soft labels, cross-entropy over the draft vocabulary) -- and, for
+EAGLE, to regress f_{j+1} (smooth L1), with uniform noise on the input
+features (the paper's augmentation against its own feature errors).
+
+Unrolled steps (EAGLE-3's training-time test, and the acceptance estimate of
+both): step s >= 1 feeds the head's own previous output a^{s-1}_{j-1} in
+place of the target feature, as drafting does. A query of step s at position
+j models a chain that started at c = j - s: it attends to step-0 entries
+(true features) of positions <= c and to its own chain, the step-r entry of
+position c + r for r = 1..s -- exactly the head's cache while drafting the
+(s+1)-th guess.
+
+Cheap acceptance estimate (validation windows): unroll k steps; per chain
+start c and step s, greedy agreement (argmax q == argmax p) and
+sum_x min(p, q) at T = 1; tau_greedy = 1 + mean_c sum_m prod_{s<m} correct,
+tau_t1 = 1 + mean_c sum_m prod_{s<m} overlap, the implied expected tokens
+per round of a k-chain.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters import eagle
+from specjax.models import cache as cache_lib
+from specjax.models import transformer
+from specjax.models.config import ModelConfig
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "taps"))
+def _features(params, cfg, tokens, taps):
+  b, t = tokens.shape
+  cache = cache_lib.init_cache(cfg, b, t)
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  layers = tuple(taps) + (cfg.num_layers,) if taps else ()
+  _, hidden, _ = transformer.forward(params, cfg, tokens, pos, cache, compute_logits=False,
+                                     hidden_layers=layers)
+  return hidden
+
+
+class SeqPool:
+  """Per-sequence target features: tokens, final normed hidden f, taps."""
+
+  def __init__(self, tokens, final, taps, plen):
+    self.tokens, self.final, self.taps, self.plen = tokens, final, taps, plen
+
+  def __len__(self):
+    return len(self.tokens)
+
+  @property
+  def num_positions(self) -> int:
+    return int(sum(max(len(t) - max(p - 1, 0) - 1, 0) for t, p in zip(self.tokens, self.plen)))
+
+  @classmethod
+  def build(cls, params, cfg, sequences: Sequence[Tuple[List[int], int]], *, seq_len: int,
+            taps: Tuple[int, ...] = (), batch_size: int = 4, progress=None) -> "SeqPool":
+    toks_l, final_l, taps_l, plen_l = [], [], [], []
+    d = cfg.dim
+    for s in range(0, len(sequences), batch_size):
+      chunk = sequences[s:s + batch_size]
+      toks = np.full((batch_size, seq_len), cfg.pad_id, np.int32)
+      for i, (ids, _) in enumerate(chunk):
+        ids = ids[:seq_len]
+        toks[i, :len(ids)] = ids
+      hid = np.asarray(_features(params, cfg, jnp.asarray(toks), tuple(taps)), np.float32)
+      for i, (ids, plen) in enumerate(chunk):
+        n = min(len(ids), seq_len)
+        if n < 3 or plen >= n:
+          continue
+        toks_l.append(np.asarray(ids[:n], np.int32))
+        final_l.append(hid[i, :n, -d:])
+        taps_l.append(hid[i, :n, :-d] if taps else None)
+        plen_l.append(int(plen))
+      if progress:
+        progress(f"features: {min(s + batch_size, len(sequences))}/{len(sequences)} sequences")
+    return cls(toks_l, final_l, taps_l, plen_l)
+
+  def window(self, i: int, start: int, t: int) -> dict:
+    """Window of positions start .. start + t - 1 of sequence i (padded)."""
+    tok, f, tp, plen = self.tokens[i], self.final[i], self.taps[i], self.plen[i]
+    n, d = len(tok), f.shape[1]
+    j = start + np.arange(t)
+    ok_in = j + 1 < n  # the pair (g_j, x_{j+1}) exists and f_{j+1} is known
+    jc = np.minimum(j, n - 1)
+    j1 = np.minimum(j + 1, n - 1)
+    g = (tp if tp is not None else f)[jc]
+    return {
+        "g": np.where(ok_in[:, None], g, 0).astype(np.float32),
+        "tokens": np.where(ok_in, tok[j1], 0).astype(np.int32),  # x_{j+1}
+        "f_next": np.where(ok_in[:, None], f[j1], 0).astype(np.float32),  # f_{j+1}
+        "positions": j.astype(np.int32),
+        "in_seq": ok_in.astype(np.float32),
+        # the label x_{j+2} ~ p_{j+1} is an answer token
+        "answer": (ok_in & (j + 2 >= plen)).astype(np.float32),
+        "d": d,
+    }
+
+  def batch(self, rng: np.random.Generator, batch_size: int, t: int) -> dict:
+    """Random windows overlapping each sequence's answer."""
+    rows = []
+    for _ in range(batch_size):
+      i = int(rng.integers(len(self)))
+      n, plen = len(self.tokens[i]), self.plen[i]
+      lo = max(plen - 2 - t // 4, 0)
+      hi = max(n - t // 2, lo + 1)
+      rows.append(self.window(i, int(rng.integers(lo, hi)), t))
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "d"}
+
+  def eval_windows(self, t: int, max_windows: Optional[int] = None) -> List[dict]:
+    """Deterministic windows tiling every sequence's answer."""
+    out = []
+    for i in range(len(self)):
+      n, plen = len(self.tokens[i]), self.plen[i]
+      for start in range(max(plen - 2, 0), n - 1, t):
+        out.append(self.window(i, start, t))
+        if max_windows and len(out) >= max_windows:
+          return out
+    return out
+
+
+def token_counts(sequences: Sequence[Tuple[List[int], int]], vocab_size: int) -> np.ndarray:
+  """How often each token appears in the answers (for the reduced draft vocabulary)."""
+  counts = np.zeros(vocab_size, np.int64)
+  for ids, plen in sequences:
+    np.add.at(counts, np.asarray(ids[plen:], np.int64), 1)
+  return counts
+
+
+def reduced_vocab(counts: np.ndarray, size: int, always: Sequence[int] = ()) -> np.ndarray:
+  """The `size` most frequent tokens (ties by id), always including `always`
+  (e.g. EOS), sorted by id."""
+  order = np.lexsort((np.arange(len(counts)), -counts))
+  keep = [int(a) for a in always if 0 <= a < len(counts)]
+  keep += [int(x) for x in order if int(x) not in keep][:max(size - len(keep), 0)]
+  return np.sort(np.asarray(keep, np.int32))
+
+
+def _chain_attention(q, ks, vs, s: int, cfg: ModelConfig):
+  """Attention of step-s queries q (B, T, H, Dh): step-0 keys at positions
+  <= j - s, and the step-r key at position j - s + r for r = 1..s."""
+  b, t = q.shape[:2]
+  g, r, dh = cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+  qg = q.reshape(b, t, g, r, dh)
+  scale = dh ** -0.5
+  s0 = jnp.einsum("btgrd,bsgd->btgrs", qg, ks[0]) * scale  # (B, T, G, R, T)
+  jj = jnp.arange(t)
+  allowed0 = jj[None, :] <= (jj[:, None] - s)  # (T, T)
+  s0 = jnp.where(allowed0[None, :, None, None, :], s0, -jnp.inf)
+  diag, vals = [], []
+  for rr in range(1, s + 1):
+    shift = s - rr  # key of step rr at position j - shift
+    k_r = jnp.pad(ks[rr], ((0, 0), (shift, 0), (0, 0), (0, 0)))[:, :t]
+    v_r = jnp.pad(vs[rr], ((0, 0), (shift, 0), (0, 0), (0, 0)))[:, :t]
+    diag.append(jnp.einsum("btgrd,btgd->btgr", qg, k_r) * scale)
+    vals.append(v_r)
+  if diag:
+    scores = jnp.concatenate([s0, jnp.stack(diag, -1)], -1)
+  else:
+    scores = s0
+  # Rows with no visible key (j < s) are masked out of the loss; keep them finite.
+  scores = jnp.where(jnp.isneginf(jnp.max(scores, -1, keepdims=True)), 0.0, scores)
+  w = jax.nn.softmax(scores, -1)
+  out = jnp.einsum("btgrs,bsgd->btgrd", w[..., :t], vs[0])
+  for i, v_r in enumerate(vals):
+    out = out + w[..., t + i, None] * v_r[:, :, :, None, :]
+  return out.reshape(b, t, cfg.num_heads * dh)
+
+
+def unroll(head, target_params, cfg: ModelConfig, batch: dict, steps: int,
+           noise: Optional[jax.Array] = None) -> List[jax.Array]:
+  """Outputs a^s (B, T, D) of steps s = 0 .. steps-1 (see the module docstring)."""
+  layer = head["layer"]
+  g = eagle.fuse(head, cfg, batch["g"])
+  if noise is not None:
+    g = g + noise
+  ks, vs, outs = [], [], []
+  for s in range(steps):
+    if s > 0:  # the head's own output of the previous position stands in for g
+      g = jnp.pad(outs[-1], ((0, 0), (1, 0), (0, 0)))[:, :-1]
+    x = eagle.pair_inputs(head, target_params, cfg, g, batch["tokens"])
+    q, k, v = eagle.layer_qkv(layer, cfg, x, batch["positions"])
+    ks.append(k)
+    vs.append(v)
+    outs.append(eagle.layer_out(layer, cfg, x, _chain_attention(q, ks, vs, s, cfg)))
+  return outs
+
+
+def _target_probs(target_params, cfg, f_next, vocab):
+  logits = transformer.lm_head(target_params, cfg, f_next)
+  p = jax.nn.softmax(logits, -1)
+  return p if vocab is None else jnp.take(p, vocab, axis=-1), p
+
+
+def loss_fn(head, target_params, cfg, batch, vocab, noise, *, steps: int, w_reg: float,
+            w_cls: float, decay: float):
+  lm_w = eagle.head_weights(dict(head, **({} if vocab is None else {"vocab": vocab})),
+                            target_params, cfg)
+  outs = unroll(head, target_params, cfg, batch, steps, noise)
+  p_sub, p = _target_probs(target_params, cfg, batch["f_next"], vocab)
+  p = jax.lax.stop_gradient(p)
+  p_sub = jax.lax.stop_gradient(p_sub)
+  target_tok = jnp.argmax(p, -1)
+  total, metrics = 0.0, {}
+  tpos = jnp.arange(batch["tokens"].shape[1])
+  for s, a in enumerate(outs):
+    mask = batch["answer"] * (tpos >= s)[None]
+    denom = jnp.maximum(jnp.sum(mask), 1.0)
+    logits = eagle.draft_logits(head, target_params, cfg, a, lm_w)
+    logq = jax.nn.log_softmax(logits, -1)
+    ce = -jnp.sum(p_sub * logq, -1)
+    loss_s = w_cls * jnp.sum(ce * mask) / denom
+    if w_reg and s == 0:
+      diff = jnp.abs(a - batch["f_next"])
+      sl1 = jnp.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).mean(-1)
+      reg = jnp.sum(sl1 * mask) / denom
+      loss_s = loss_s + w_reg * reg
+      metrics["reg"] = reg
+    top = jnp.argmax(logits, -1)
+    top = top if vocab is None else vocab[top]
+    metrics[f"acc{s}"] = jnp.sum((top == target_tok) * mask) / denom
+    total = total + (decay ** s) * loss_s
+  metrics["loss"] = total
+  return total, metrics
+
+
+def make_step(optimizer, target_params, cfg, *, vocab=None, steps: int = 1, w_reg: float = 1.0,
+              w_cls: float = 0.1, decay: float = 0.8, noise: float = 0.0):
+  """-> step(head, opt_state, batch); batch carries a "key" for the feature noise.
+  The frozen target weights (and the reduced vocabulary) are jit arguments."""
+  @jax.jit
+  def step_impl(head, opt_state, batch, target_params, vocab):
+    key = batch.pop("key")
+    nz = None
+    if noise:
+      shape = batch["tokens"].shape + (cfg.dim,)
+      nz = jax.random.uniform(key, shape, jnp.float32, -noise, noise)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        head, target_params, cfg, batch, vocab, nz, steps=steps, w_reg=w_reg, w_cls=w_cls,
+        decay=decay)
+    updates, opt_state = optimizer.update(grads, opt_state, head)
+    head = jax.tree.map(lambda p, u: p + u, head, updates)
+    metrics["positions"] = jnp.sum(batch["answer"]).astype(jnp.int32)
+    return head, opt_state, metrics
+
+  def step(head, opt_state, batch):
+    return step_impl(head, opt_state, dict(batch), target_params, vocab)
+  return step
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps"))
+def _eval_batch(head, target_params, cfg, batch, vocab, steps):
+  lm_w = eagle.head_weights(dict(head, **({} if vocab is None else {"vocab": vocab})),
+                            target_params, cfg)
+  outs = unroll(head, target_params, cfg, batch, steps)
+  _, p = _target_probs(target_params, cfg, batch["f_next"], None)
+  tgt = jnp.argmax(p, -1)
+  correct, overlap = [], []
+  for a in outs:
+    logits = eagle.draft_logits(head, target_params, cfg, a, lm_w)
+    q_sub = jax.nn.softmax(logits, -1)
+    if vocab is None:
+      top, ov = jnp.argmax(logits, -1), jnp.sum(jnp.minimum(p, q_sub), -1)
+    else:
+      top = vocab[jnp.argmax(logits, -1)]
+      ov = jnp.sum(jnp.minimum(jnp.take(p, vocab, axis=-1), q_sub), -1)
+    correct.append(top == tgt)
+    overlap.append(ov)
+  return jnp.stack(correct, -1), jnp.stack(overlap, -1)  # (B, T, steps)
+
+
+def estimate(head, target_params, cfg, windows: Sequence[dict], k: int, vocab=None,
+             batch_size: int = 8) -> Dict[str, float]:
+  """Teacher-forced acceptance of a k-chain (module docstring) over `windows`."""
+  corr, over = [], []
+  for s in range(0, len(windows), batch_size):
+    chunk = list(windows[s:s + batch_size])
+    real = len(chunk)
+    chunk += [chunk[-1]] * (batch_size - real)
+    b = {key: jnp.asarray(np.stack([w[key] for w in chunk])) for key in chunk[0] if key != "d"}
+    c, o = _eval_batch(head, target_params, cfg, b, vocab, k)
+    c, o = np.asarray(c)[:real], np.asarray(o)[:real]
+    # chain starting at window index i: step s sits at i + s
+    ans = np.stack([w["answer"] for w in chunk[:real]])
+    t = ans.shape[1]
+    steps = np.arange(k)
+    for i in range(t - k + 1):  # the chain started at window index i: step s sits at i + s
+      rows = ans[:, i:i + k].all(1)
+      corr += c[rows][:, i + steps, steps].tolist()
+      over += o[rows][:, i + steps, steps].tolist()
+  if not corr:
+    return {"tau": 1.0, "tau_t1": 1.0}
+  corr, over = np.asarray(corr, np.float64), np.asarray(over, np.float64)
+  out = {"tau": float(1 + np.cumprod(corr, 1).sum(1).mean()),
+         "tau_t1": float(1 + np.cumprod(over, 1).sum(1).mean())}
+  for s in range(k):
+    out[f"top1_{s}"] = float(corr[:, s].mean())
+    out[f"alpha_{s}"] = float(over[:, s].mean())
+  out["chains"] = float(len(corr))
+  return out
