@@ -127,7 +127,8 @@ def test_training_unroll_is_what_drafting_computes(trained, tiny_target):
   rng = np.random.default_rng(0)
   toks = rng.integers(3, cfg.vocab_size, size=(1, t + 1)).astype(np.int32)
   taps = eagle.eagle3_layers(cfg)
-  feats = eagle_train._features(m.params, cfg, jnp.asarray(toks), taps)  # pylint: disable=protected-access
+  feats = eagle_train._features(  # pylint: disable=protected-access
+      m.params, cfg, jnp.asarray(toks), taps)
   d = cfg.dim
   batch = {"g": feats[:, :t, :-d], "tokens": jnp.asarray(toks[:, 1:t + 1]),
            "positions": jnp.arange(t, dtype=jnp.int32)[None]}

@@ -24,6 +24,7 @@ from specjax.analysis import montecarlo as mc
 from specjax.decoding import batch as batch_lib
 from specjax.decoding import speculative as sp
 from specjax.drafters.draft_model import DraftModel
+from specjax.drafters.eagle import Eagle, init_head, prepare
 from specjax.drafters.layer_skip import LayerSkip
 from specjax.drafters.medusa import Blockwise, Medusa
 from specjax.drafters.prompt_lookup import PromptLookup
@@ -59,6 +60,11 @@ SETTINGS = [
     # top-1 chain (one-hot q) under a top-p target.
     ("medusa-T1-k3-B4", Medusa(k=3, sampling=T07), T1, PROMPTS4),
     ("blockwise-topp-k2-B1", Blockwise(k=2), TOPP, PROMPTS1),
+    # EAGLE heads (true-feature rewrite after every verify, chain on own
+    # features); EAGLE-3 with a reduced draft vocabulary: q is zero on half the
+    # tokens, so the residual carries all of their mass.
+    ("eagle-T1-k3-B4", Eagle(k=3, sampling=T07), T1, PROMPTS4),
+    ("eagle3-reduced-topk-k2-B1", Eagle(k=2, sampling=T1, fused=True), TOPK, PROMPTS1),
 ]
 
 
@@ -73,7 +79,23 @@ def _random_heads(num_heads=3, scale=3.0, seed=5):
 HEADS = _random_heads()
 
 
+def _random_eagle(fused, scale=0.5, seed=9):
+  """A random EAGLE head whose q is far from p (TV ~0.45-0.9 on these prompts)."""
+  head = init_head(jax.random.PRNGKey(seed), CFG, fused=fused,
+                   vocab=jnp.arange(0, V, 2) if fused else None)
+  d = CFG.dim
+  head["fc"] = scale * jax.random.normal(jax.random.PRNGKey(seed + 1), (d, 2 * d)) / np.sqrt(2 * d)
+  if fused:
+    head["norm"] = jnp.full((d,), scale)
+  return prepare(head, _TARGET, CFG)
+
+
+EAGLE_HEADS = {False: _random_eagle(False), True: _random_eagle(True)}
+
+
 def _draft_params(drafter, draft):
+  if isinstance(drafter, Eagle):
+    return EAGLE_HEADS[drafter.fused]
   if isinstance(drafter, Medusa):
     return HEADS
   return draft if isinstance(drafter, DraftModel) else None
@@ -151,7 +173,8 @@ def run_pit(models, drafter, sampling, spec=None, seed=2):
     (LayerSkip(k=5, layers=(0,), sampling=T1), TOPK),
     (DraftModel(k=3, cfg=DCFG, sampling=T1), T07),
     (Medusa(k=3, sampling=T1), T07),
-], ids=["layer_skip-k5-topk", "draft_model-k3-T0.7", "medusa-k3-T0.7"])
+    (Eagle(k=3, sampling=T1, fused=True), T07),
+], ids=["layer_skip-k5-topk", "draft_model-k3-T0.7", "medusa-k3-T0.7", "eagle3-reduced-k3-T0.7"])
 def test_long_horizon_pit_is_uniform(models, drafter, sampling):
   result, stats = run_pit(models, drafter, sampling)
   acc = np.asarray(stats["per_position_acceptance"])

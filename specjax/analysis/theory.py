@@ -22,7 +22,7 @@ Both are reported side by side.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence, Tuple
 
 import numpy as np
 
@@ -79,3 +79,34 @@ def optimal_k_calibrated(alpha: float, t_ar: float, t_draft_token: float,
   vals = [predicted_speedup(float(expected_tokens(alpha, int(k))), t_ar, k * t_draft_token,
                             verify_cost(k + 1)) for k in ks]
   return int(ks[int(np.argmax(vals))])
+
+
+def chain_tokens_from_histogram(accept_hist: Sequence[int], k: int) -> float:
+  """Expected tokens per round had the chain been cut to its first k guesses
+  (bonus included): 1 + sum_{m<=k} P(accepted >= m), from counts of rounds by
+  accepted length of a longer chain. A chain's first k guesses do not depend
+  on how many more follow, so this is exact for chain drafters whose rounds
+  all proposed the full chain."""
+  h = np.asarray(accept_hist, np.float64)
+  if h.sum() <= 0:
+    return float("nan")
+  tail = h[::-1].cumsum()[::-1] / h.sum()  # tail[m] = P(accepted >= m)
+  return float(1 + tail[1:k + 1].sum())
+
+
+def best_chain_length(accept_hist: Sequence[int], k_run: int, t_verify: Mapping[int, float],
+                      t_draft: float) -> Tuple[int, float, dict]:
+  """The cost-optimal draft length k' <= k_run for a chain drafter measured at
+  k_run: argmax over k' of E[tokens](k') * t_verify(1) / (t_draft * k'/k_run +
+  t_verify(k' + 1)) (drafting priced linear in the guesses drawn). Returns
+  (k', its predicted speedup, {k': predicted speedup})."""
+  vals = {}
+  for kk in range(1, k_run + 1):
+    if kk + 1 not in t_verify:
+      continue
+    e = chain_tokens_from_histogram(accept_hist, kk)
+    vals[kk] = e * t_verify[1] / (t_draft * kk / k_run + t_verify[kk + 1])
+  if not vals:
+    return k_run, float("nan"), {}
+  best = max(vals, key=vals.get)
+  return best, vals[best], vals

@@ -271,8 +271,11 @@ def _add(rec, r, res, ref, eos=None):
   rec["decode_tokens"] += _decode_tokens(res)
   rec["tokens"].append(res.tokens)
   if "stats" in rec:
-    for key in rec["stats"]:
+    for key in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds"):
       rec["stats"][key] += res.stats[key]
+    hist = rec["stats"].get("accept_hist")
+    new = res.stats["accept_hist"]
+    rec["stats"]["accept_hist"] = new if hist is None else [a + b for a, b in zip(hist, new)]
     rec["identical"] = rec["identical"] and all(
         _upto_eos(a, eos) == _upto_eos(b, eos) for a, b in zip(res.tokens, ref))
 
@@ -344,6 +347,14 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
             for k in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds")}
       pred = (predict(st, calibration[m]) if calibration and m in calibration
               else {"predicted_speedup": None, "theorem_3_8": None, "draft_frac": None})
+      hists = [r["stats"]["accept_hist"] for r in rs if r["stats"].get("accept_hist")]
+      pred.update(best_k=None, best_k_predicted=None)
+      if hists and calibration and m in calibration and not st["narrow_rounds"]:
+        cal = calibration[m]
+        hist = np.sum(np.asarray(hists, np.int64), axis=0)
+        kb, sb, _ = theory.best_chain_length(hist, cal["k"], cal["t_verify"], cal["t_draft"])
+        if math.isfinite(sb):
+          pred.update(best_k=kb, best_k_predicted=sb)
       ident = [r["identical"] for r in rs]
       out.append({
           "method": m, "category": cat,
@@ -380,9 +391,9 @@ def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> st
       f"hardware: {r0['hardware']}",
       "",
       "| method | category | prompts | speedup | IQR (per prompt) | predicted | Thm 3.8 | "
-      "tau | alpha | ms/round | draft share | 1-token verifies | tok/s | AR tok/s | "
-      "greedy identical |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "best k (predicted) | tau | alpha | ms/round | draft share | 1-token verifies | tok/s | "
+      "AR tok/s | greedy identical |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in results:
     q1, q3 = r["speedup_iqr"]
@@ -390,7 +401,9 @@ def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> st
     lines.append(
         f"| {r['method']} | {r['category']} | {r['num_prompts']} | {_fmt(r['speedup'])}x | "
         f"{_fmt(q1)}-{_fmt(q3)} | {_fmt(r.get('predicted_speedup'))}x | "
-        f"{_fmt(r.get('theorem_3_8'))}x | {_fmt(r['tau'])} | {_fmt(r['alpha'])} | "
+        f"{_fmt(r.get('theorem_3_8'))}x | "
+        f"{'-' if r.get('best_k') is None else r['best_k']} "
+        f"({_fmt(r.get('best_k_predicted'))}x) | {_fmt(r['tau'])} | {_fmt(r['alpha'])} | "
         f"{_fmt(r.get('ms_per_round'), '{:.1f}')} | {pct(r.get('draft_frac'))} | "
         f"{pct(r.get('narrow_frac'))} | "
         f"{_fmt(r['tokens_per_s'], '{:.1f}')} | {_fmt(r['ar_tokens_per_s'], '{:.1f}')} | "
@@ -476,7 +489,9 @@ def calibrate(model: Model, c, methods: Sequence[str], unit, sampling) -> dict:
                                              reference=[[model.cfg.eos_id]],
                                              reference_width=int(c.max_new_tokens))
     k = drafter.k
-    curve = calibration_lib.forward_cost_curve(model.params, model.cfg, ns=(1, k + 1), fill=fill)
+    # every width up to k + 1: the cost-optimal shorter chain is priced from it
+    curve = calibration_lib.forward_cost_curve(model.params, model.cfg,
+                                               ns=tuple(range(1, k + 2)), fill=fill)
     t_draft = calibration_lib.draft_cost(model.params, model.cfg, drafter, dparams, prompt,
                                          sampling=sampling)
     out[m] = {"k": k, "t_verify": {int(n): t for n, t in curve.items()}, "t_draft": t_draft,

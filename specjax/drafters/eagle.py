@@ -58,6 +58,11 @@ from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
 
+# The target's own building blocks (a head layer is a target-shaped layer).
+_dot = transformer._dot  # pylint: disable=protected-access
+_write = transformer._write  # pylint: disable=protected-access
+_attention = transformer._attention  # pylint: disable=protected-access
+
 
 def eagle3_layers(cfg: ModelConfig) -> Tuple[int, int, int]:
   """Low / middle / high target layers EAGLE-3 fuses (outputs of these layers)."""
@@ -104,21 +109,21 @@ def fuse(head: dict, cfg: ModelConfig, feats: jax.Array) -> jax.Array:
     return feats.astype(jnp.float32)
   d = cfg.dim
   parts = [_unit_rms(feats[..., i * d:(i + 1) * d], cfg.norm_eps) for i in range(3)]
-  return transformer._dot(jnp.concatenate(parts, -1), head["fuse"])  # pylint: disable=protected-access
+  return _dot(jnp.concatenate(parts, -1), head["fuse"])
 
 
 def pair_inputs(head: dict, target_params, cfg: ModelConfig, g: jax.Array,
                 tokens: jax.Array) -> jax.Array:
   """u = FC([g ; emb(tokens)]): (..., D)."""
   e = transformer.embed(target_params, tokens)
-  return transformer._dot(jnp.concatenate([g.astype(jnp.float32), e], -1), head["fc"])  # pylint: disable=protected-access
+  return _dot(jnp.concatenate([g.astype(jnp.float32), e], -1), head["fc"])
 
 
 def layer_qkv(layer: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
   b, t = x.shape[:2]
   hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   h = transformer.rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-  qkv = transformer._dot(h, layer["wqkv"])  # pylint: disable=protected-access
+  qkv = _dot(h, layer["wqkv"])
   q = qkv[..., : hq * dh].reshape(b, t, hq, dh)
   k = qkv[..., hq * dh:(hq + hkv) * dh].reshape(b, t, hkv, dh)
   v = qkv[..., (hq + hkv) * dh:].reshape(b, t, hkv, dh)
@@ -127,11 +132,10 @@ def layer_qkv(layer: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array)
 
 
 def layer_out(layer: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
-  dot = transformer._dot  # pylint: disable=protected-access
-  x = x + dot(attn, layer["wo"])
+  x = x + _dot(attn, layer["wo"])
   h = transformer.rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-  gate, up = jnp.split(dot(h, layer["w_gate_up"]), 2, axis=-1)
-  return x + dot(jax.nn.silu(gate) * up, layer["w_down"])
+  gate, up = jnp.split(_dot(h, layer["w_gate_up"]), 2, axis=-1)
+  return x + _dot(jax.nn.silu(gate) * up, layer["w_down"])
 
 
 def head_step(head: dict, target_params, cfg: ModelConfig, g: jax.Array, tokens: jax.Array,
@@ -143,10 +147,10 @@ def head_step(head: dict, target_params, cfg: ModelConfig, g: jax.Array, tokens:
   q, k, v = layer_qkv(head["layer"], cfg, x, positions)
   length = cache.length
   t = tokens.shape[1]
-  new_k = transformer._write(cache.k[0], k, length, active)  # pylint: disable=protected-access
-  new_v = transformer._write(cache.v[0], v, length, active)  # pylint: disable=protected-access
+  new_k = _write(cache.k[0], k, length, active)
+  new_v = _write(cache.v[0], v, length, active)
   allowed = transformer.attention_mask(length, t, cache.num_slots)
-  attn = transformer._attention(q, new_k, new_v, allowed, cfg)  # pylint: disable=protected-access
+  attn = _attention(q, new_k, new_v, allowed, cfg)
   a = layer_out(head["layer"], cfg, x, attn)
   step = jnp.full(length.shape, t, jnp.int32)
   if active is not None:
@@ -171,7 +175,7 @@ def draft_logits(head: dict, target_params, cfg: ModelConfig, a: jax.Array,
   if "norm" in head:
     a = transformer.rms_norm(a, head["norm"], cfg.norm_eps)
   w = head_weights(head, target_params, cfg) if w is None else w
-  return transformer._dot(a, w)  # pylint: disable=protected-access
+  return _dot(a, w)
 
 
 def prepare(head: dict, target_params, cfg: ModelConfig) -> dict:

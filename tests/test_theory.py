@@ -1,0 +1,48 @@
+"""The speed theory: closed forms against enumeration, and the cost-optimal
+draft length read off a measured acceptance histogram."""
+
+import numpy as np
+import pytest
+
+from specjax.analysis import theory
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.8, 0.99])
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_expected_tokens_matches_enumeration(alpha, k):
+  # P(accept exactly n) = alpha^n (1 - alpha) for n < k, alpha^k for n = k.
+  probs = [alpha ** n * (1 - alpha) for n in range(k)] + [alpha ** k]
+  enum = sum((n + 1) * p for n, p in enumerate(probs))
+  assert float(theory.expected_tokens(alpha, k)) == pytest.approx(enum, rel=1e-9)
+
+
+def test_histogram_cut_to_shorter_chains_equals_the_closed_form():
+  alpha, k = 0.7, 5
+  hist = np.array([alpha ** n * (1 - alpha) for n in range(k)] + [alpha ** k]) * 1e6
+  for kk in range(1, k + 1):
+    assert theory.chain_tokens_from_histogram(hist, kk) == pytest.approx(
+        float(theory.expected_tokens(alpha, kk)), rel=1e-9)
+  assert np.isnan(theory.chain_tokens_from_histogram([0, 0, 0], 2))
+
+
+def test_best_chain_length_follows_the_cost_curve():
+  alpha, k = 0.6, 6
+  hist = np.array([alpha ** n * (1 - alpha) for n in range(k)] + [alpha ** k]) * 1e6
+  flat = {n: 1.0 for n in range(1, k + 2)}
+  kb, sb, vals = theory.best_chain_length(hist, k, flat, t_draft=0.0)
+  assert kb == k and sb == pytest.approx(float(theory.expected_tokens(alpha, k)))
+  # A verify that grows 30% per token and a draft of 0.1 per guess: enumerate.
+  steep = {n: 1.0 + 0.3 * (n - 1) for n in range(1, k + 2)}
+  kb, sb, vals = theory.best_chain_length(hist, k, steep, t_draft=0.1 * k)
+  brute = {kk: float(theory.expected_tokens(alpha, kk)) / (0.1 * kk + steep[kk + 1])
+           for kk in range(1, k + 1)}
+  assert kb == max(brute, key=brute.get) and kb < k
+  assert vals == pytest.approx(brute)
+
+
+def test_leviathan_improvement_factor():
+  # Theorem 3.8 at c = 0 is the expected tokens; the optimum moves down as c grows.
+  assert float(theory.leviathan_speedup(0.8, 4, 0.0)) == pytest.approx(
+      float(theory.expected_tokens(0.8, 4)))
+  ks = [theory.optimal_k(0.8, c) for c in (0.01, 0.1, 0.5)]
+  assert ks[0] >= ks[1] >= ks[2] >= 1 and ks[0] > ks[2]
