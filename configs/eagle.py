@@ -32,6 +32,9 @@ def get_config(arg=None, method="eagle"):
   c.sample_fraction = 0.25
   c.valid_fraction = 0.05
   c.data_path = ""
+  # + this many datasets' reference answers (teacher-forced through the target:
+  # one forward each instead of a generation; EAGLE-1 trained on fixed data)
+  c.reference_examples = 0
   c.seed = 0
   # features
   c.seq_len = 384

@@ -167,6 +167,50 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
   return read_records(path)
 
 
+# name -> the record's reference answer (the dataset's, not the target's)
+REFERENCE_FIELD: Dict[str, Callable[[dict], str]] = {
+    "alpaca": lambda r: r["output"],
+    "code_alpaca": lambda r: r["output"],
+    "gpteacher_code": lambda r: r["response"],
+    "gsm8k_train": lambda r: r["answer"],
+}
+
+
+def reference_records(tokenizer, *, sources: Sequence[str], num_examples: int, seed: int = 1,
+                      max_prompt_tokens: int = 192, max_answer_tokens: int = 192,
+                      valid_fraction: float = 0.05, data_dir: str = DATA_DIR,
+                      skip_ids: Iterable[str] = ()) -> List[dict]:
+  """Records whose answers are the datasets' reference answers (chat prompt,
+  answer + EOS, truncated), in the same format as `generate_dataset`'s.
+
+  A feature-level drafter learns the target's distributions at every position
+  of any text (the labels come from the target's forward, EAGLE-1 trained on
+  fixed data); these cost one forward per sequence instead of a generation,
+  so they multiply the training data cheaply. Examples in `skip_ids` (those
+  already answered by the target) are left out; ids get a "ref:" prefix.
+  """
+  examples = []
+  for name in sources:
+    rel, text_of = SOURCES[name]
+    path = os.path.join(data_dir, rel)
+    recs = _load_jsonl(path) if path.endswith(".jsonl") else _load_json_array(path)
+    examples += [(f"{name}/{i}", text_of(r), REFERENCE_FIELD[name](r)) for i, r in enumerate(recs)]
+  skip = set(skip_ids)
+  by_id = {e[0]: e for e in examples}
+  chosen = interleave(sources, [(e[0], e[1]) for e in examples if e[0] not in skip],
+                      num_examples, seed)
+  out = []
+  for eid, text in chosen:
+    prompt = tokenizer.encode_prompt(text)
+    if len(prompt) > max_prompt_tokens:
+      continue
+    answer = tokenizer.encode(by_id[eid][2].strip(), add_bos=False)[:max_answer_tokens - 1]
+    out.append({"id": "ref:" + eid, "split": split_of(eid, valid_fraction), "prompt": prompt,
+                "answer": answer + [tokenizer.eos_id], "sampling": None, "seed": seed,
+                "origin": "reference"})
+  return out
+
+
 def sequences(records: Iterable[dict], split: str) -> List[Tuple[List[int], int]]:
   """(prompt + answer token ids, prompt length) for the records of `split`."""
   return [(r["prompt"] + r["answer"], len(r["prompt"])) for r in records if r["split"] == split]

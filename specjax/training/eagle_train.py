@@ -70,23 +70,31 @@ class SeqPool:
             taps: Tuple[int, ...] = (), batch_size: int = 4, progress=None) -> "SeqPool":
     toks_l, final_l, taps_l, plen_l = [], [], [], []
     d = cfg.dim
-    for s in range(0, len(sequences), batch_size):
-      chunk = sequences[s:s + batch_size]
-      toks = np.full((batch_size, seq_len), cfg.pad_id, np.int32)
+    # Similar lengths together, each batch padded to a multiple of 64 (a few
+    # compiled shapes, little padding); the pool keeps the given order.
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
+    feats = {}
+    for s in range(0, len(order), batch_size):
+      idx = order[s:s + batch_size]
+      chunk = [sequences[i] for i in idx]
+      width = min(seq_len, cache_lib.round_up(max(len(ids) for ids, _ in chunk), 64))
+      toks = np.full((batch_size, width), cfg.pad_id, np.int32)
       for i, (ids, _) in enumerate(chunk):
         ids = ids[:seq_len]
         toks[i, :len(ids)] = ids
       hid = np.asarray(_features(params, cfg, jnp.asarray(toks), tuple(taps)), np.float32)
-      for i, (ids, plen) in enumerate(chunk):
+      for j, (i, (ids, plen)) in enumerate(zip(idx, chunk)):
         n = min(len(ids), seq_len)
-        if n < 3 or plen >= n:
-          continue
-        toks_l.append(np.asarray(ids[:n], np.int32))
-        final_l.append(hid[i, :n, -d:])
-        taps_l.append(hid[i, :n, :-d] if taps else None)
-        plen_l.append(int(plen))
+        if n >= 3 and plen < n:
+          feats[i] = (hid[j, :n].copy(), ids[:n], plen)
       if progress:
         progress(f"features: {min(s + batch_size, len(sequences))}/{len(sequences)} sequences")
+    for i in sorted(feats):
+      h, ids, plen = feats[i]
+      toks_l.append(np.asarray(ids, np.int32))
+      final_l.append(h[:, -d:])
+      taps_l.append(h[:, :-d] if taps else None)
+      plen_l.append(int(plen))
     return cls(toks_l, final_l, taps_l, plen_l)
 
   def window(self, i: int, start: int, t: int) -> dict:

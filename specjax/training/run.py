@@ -63,6 +63,15 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
         max_prompt_tokens=c.max_prompt_tokens, batch_size=c.gen_batch_size,
         sample_fraction=c.sample_fraction, valid_fraction=c.valid_fraction,
         model_name=c.model, progress=progress)
+  n_ref = int(c.get("reference_examples", 0) or 0)
+  if n_ref and model.tokenizer is not None:
+    ref = distill_data.reference_records(
+        model.tokenizer, sources=[s.strip() for s in c.sources.split(",")], num_examples=n_ref,
+        seed=c.seed + 1, max_prompt_tokens=c.max_prompt_tokens,
+        max_answer_tokens=c.max_new_tokens, valid_fraction=c.valid_fraction,
+        skip_ids=[r["id"] for r in records])
+    progress(f"data: + {len(ref)} reference answers of the datasets")
+    records = records + ref
   train_seqs = distill_data.sequences(records, "train")
   valid_seqs = distill_data.sequences(records, "valid") or train_seqs[:2]
   progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")

@@ -1,0 +1,56 @@
+"""Self-distillation data on the real model: deterministic, resumable, split
+by id; and the datasets' reference answers in the same record format."""
+
+import json
+
+from specjax.training import distill_data
+
+SOURCES = ["alpaca", "gsm8k_train"]
+
+
+def test_generate_is_deterministic_and_resumes(smollm2, tmp_path):
+  kw = dict(sources=SOURCES, seed=0, max_new_tokens=4, max_prompt_tokens=160, batch_size=2,
+            sample_fraction=0.5, valid_fraction=0.3)
+  a = distill_data.generate_dataset(smollm2, str(tmp_path / "a.jsonl"), num_examples=4, **kw)
+  # the same run in two pieces: 2 examples, then resumed to 4
+  distill_data.generate_dataset(smollm2, str(tmp_path / "b.jsonl"), num_examples=2, **kw)
+  b = distill_data.generate_dataset(smollm2, str(tmp_path / "b.jsonl"), num_examples=4, **kw)
+  key = lambda r: r["id"]  # pylint: disable=unnecessary-lambda-assignment
+  assert sorted(a, key=key) == sorted(b, key=key)
+  assert len(a) == 4 and {r["id"].split("/")[0] for r in a} == set(SOURCES)
+  for r in a:
+    assert 1 <= len(r["answer"]) <= 4
+    assert r["split"] == distill_data.split_of(r["id"], 0.3)
+    assert r["sampling"]["temperature"] in (0.0, 0.7)
+  # a run killed mid-write leaves a partial last line: a clear error
+  with open(tmp_path / "b.jsonl", "a") as f:
+    f.write('{"id": "alpaca/1", "pro')
+  try:
+    distill_data.read_records(str(tmp_path / "b.jsonl"))
+  except ValueError as e:
+    assert "malformed record" in str(e)
+  else:
+    raise AssertionError("a truncated record was accepted")
+
+
+def test_reference_answers(smollm2):
+  tok = smollm2.tokenizer
+  recs = distill_data.reference_records(tok, sources=SOURCES, num_examples=6,
+                                        max_answer_tokens=32, skip_ids=["alpaca/0"])
+  assert len(recs) >= 4
+  for r in recs:
+    assert r["id"].startswith("ref:") and r["origin"] == "reference"
+    assert r["answer"][-1] == tok.eos_id and len(r["answer"]) <= 32
+    assert r["split"] == distill_data.split_of(r["id"][4:], 0.05)
+    json.dumps(r)
+  assert "ref:alpaca/0" not in {r["id"] for r in recs}
+  # the answer is the dataset's own reference answer (truncated)
+  for r in recs:
+    name, i = r["id"][4:].split("/")
+    rel, _ = distill_data.SOURCES[name]
+    path = f"{distill_data.DATA_DIR}/{rel}"
+    data = (distill_data._load_jsonl(path) if path.endswith(".jsonl")  # pylint: disable=protected-access
+            else distill_data._load_json_array(path))  # pylint: disable=protected-access
+    reference = distill_data.REFERENCE_FIELD[name](data[int(i)]).strip()
+    text = tok.decode(r["answer"][:-1]).strip()
+    assert reference.startswith(text[:60]), (text[:60], reference[:60])
