@@ -59,15 +59,17 @@ def get_config(arg=None, method="eagle"):
   c.log_every = 25
   c.valid_max_windows = 48
   c.workdir = f"/tmp/specjax_train/{method}"
-  c.export = os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", method)
+  # The shipped head is the reduced-vocabulary one (`:reduced`); a full-vocabulary
+  # run exports beside it.
+  shipped = os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", method)
+  c.export = shipped + "_full"
   if arg == "tiny":  # a tiny random target, trained in seconds (tests)
     c.update(dict(model="tiny", num_examples=24, max_new_tokens=24, seq_len=48,
                   feature_batch=8, window=16, batch_windows=8, steps=40, lr=3e-3, warmup=5,
                   eval_every=20, save_every=10, log_every=10, valid_fraction=0.2, eval_k=3,
                   valid_max_windows=16, workdir=f"/tmp/specjax_train/{method}_tiny", export=""))
   elif arg == "reduced":
-    c.update(dict(draft_vocab=8192, workdir=f"/tmp/specjax_train/{method}_v8k",
-                  export=c.export + "_v8k"))
+    c.update(dict(draft_vocab=8192, workdir=f"/tmp/specjax_train/{method}_v8k", export=shipped))
   elif arg == "tiny_reduced":
     c = get_config("tiny", method)
     c.draft_vocab = 32

@@ -81,9 +81,12 @@ def test_results_files_and_schema(bench):
   calib = json.load(open(os.path.join(c.out, "calibration.json")))
   assert set(calib) == set(METHODS)
   for m in METHODS:
-    assert calib[m]["k"] == 4 and set(calib[m]["t_verify"]) == {"1", "5"}
+    assert calib[m]["k"] == 4 and set(calib[m]["t_verify"]) == {"1", "2", "3", "5"}
     assert calib[m]["t_draft"] < calib[m]["t_verify"]["1"]  # n-gram search / replay: cheap
   by = {(r["method"], r["category"]): r for r in results}
+  # the cost-optimal chain length, read off replay's acceptance histogram
+  rep = by[("replay", "all")]
+  assert 1 <= rep["best_k"] <= 4 and rep["best_k_predicted"] > 0
   assert by[("replay", "all")]["num_prompts"] == 2 and by[("replay", "copy")]["num_prompts"] == 1
   md = open(os.path.join(c.out, "results.md")).read()
   assert "| prompt_lookup | count |" in md

@@ -66,6 +66,8 @@ def _drafters(model, reference):
   return [
       registry.make_drafter("medusa", {"k": 3}, model),  # the shipped heads
       registry.make_drafter("blockwise", {"k": 3}, model),
+      registry.make_drafter("eagle", {"k": 3}, model),  # shipped, reduced vocabulary
+      registry.make_drafter("eagle3", {"k": 3, "draft_vocab": "full"}, model),
       (PromptLookup(k=4), None),
       (LayerSkip(k=3, layers=tuple(range(0, 30, 2))), None),
       (DraftModel(k=3, cfg=dcfg), dparams),
@@ -107,10 +109,11 @@ def test_long_horizon_pit_on_smollm2(smollm2, category_prompts):
   assert result.pooled_pvalue > 1e-3, result
 
 
-def test_long_horizon_pit_shipped_medusa(smollm2, category_prompts):
-  """The shipped Medusa heads sampling at T = 1 for a T = 0.8 target: PIT-uniform."""
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
+def test_long_horizon_pit_shipped_heads(smollm2, category_prompts, method):
+  """Shipped heads sampling at T = 1 for a T = 0.8 target: PIT-uniform."""
   sampling = sampling_lib.SamplingConfig(temperature=0.8)
-  drafter, heads = registry.make_drafter("medusa", {"k": 3, "temperature": 1.0}, smollm2)
+  drafter, heads = registry.make_drafter(method, {"k": 3, "temperature": 1.0}, smollm2)
   cfg = smollm2.cfg.replace(eos_id=-1)
   prompt = category_prompts[0]  # the shapes of the PIT test above: compiled once
   samples, stats = mc.sample_tokens(smollm2.params, cfg, drafter, [prompt], 48, 16,

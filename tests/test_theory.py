@@ -38,6 +38,9 @@ def test_best_chain_length_follows_the_cost_curve():
            for kk in range(1, k + 1)}
   assert kb == max(brute, key=brute.get) and kb < k
   assert vals == pytest.approx(brute)
+  # unmeasured widths are interpolated linearly (the curve here is linear)
+  sparse = {n: steep[n] for n in (1, 2, 4, k + 1)}
+  assert theory.best_chain_length(hist, k, sparse, t_draft=0.1 * k)[2] == pytest.approx(brute)
 
 
 def test_leviathan_improvement_factor():

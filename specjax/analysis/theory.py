@@ -99,13 +99,15 @@ def best_chain_length(accept_hist: Sequence[int], k_run: int, t_verify: Mapping[
   """The cost-optimal draft length k' <= k_run for a chain drafter measured at
   k_run: argmax over k' of E[tokens](k') * t_verify(1) / (t_draft * k'/k_run +
   t_verify(k' + 1)) (drafting priced linear in the guesses drawn). Returns
-  (k', its predicted speedup, {k': predicted speedup})."""
+  (k', its predicted speedup, {k': predicted speedup}). Widths missing from
+  `t_verify` are interpolated linearly between the measured ones."""
   vals = {}
+  if 1 not in t_verify or k_run + 1 not in t_verify:
+    return k_run, float("nan"), {}
+  cost = interpolate_cost(t_verify)
   for kk in range(1, k_run + 1):
-    if kk + 1 not in t_verify:
-      continue
     e = chain_tokens_from_histogram(accept_hist, kk)
-    vals[kk] = e * t_verify[1] / (t_draft * kk / k_run + t_verify[kk + 1])
+    vals[kk] = e * t_verify[1] / (t_draft * kk / k_run + cost(kk + 1))
   if not vals:
     return k_run, float("nan"), {}
   best = max(vals, key=vals.get)

@@ -489,9 +489,10 @@ def calibrate(model: Model, c, methods: Sequence[str], unit, sampling) -> dict:
                                              reference=[[model.cfg.eos_id]],
                                              reference_width=int(c.max_new_tokens))
     k = drafter.k
-    # every width up to k + 1: the cost-optimal shorter chain is priced from it
-    curve = calibration_lib.forward_cost_curve(model.params, model.cfg,
-                                               ns=tuple(range(1, k + 2)), fill=fill)
+    # widths 1, 2, the middle and k + 1: shorter chains are priced from this curve
+    # (linear between the measured widths)
+    ns = tuple(sorted({1, 2, (k + 2) // 2 + (k == 1), k + 1}))
+    curve = calibration_lib.forward_cost_curve(model.params, model.cfg, ns=ns, fill=fill)
     t_draft = calibration_lib.draft_cost(model.params, model.cfg, drafter, dparams, prompt,
                                          sampling=sampling)
     out[m] = {"k": k, "t_verify": {int(n): t for n, t in curve.items()}, "t_draft": t_draft,
