@@ -13,33 +13,13 @@ estimate of a k=`eval_k` chain on the validation split) is exported to
 
 import os
 
-import ml_collections
+from specjax.training.run import base_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config(arg=None, method="eagle"):
-  c = ml_collections.ConfigDict()
-  c.method = method
-  c.model = "smollm2-135m"
-  c.dtype = "float32"
-  # data
-  c.sources = "alpaca,code_alpaca,gpteacher_code,gsm8k_train"
-  c.num_examples = 600
-  c.max_new_tokens = 192
-  c.max_prompt_tokens = 192
-  c.gen_batch_size = 16
-  c.sample_fraction = 0.25
-  c.valid_fraction = 0.05
-  c.data_path = ""
-  # + this many datasets' reference answers (teacher-forced through the target:
-  # one forward each instead of a generation; EAGLE-1 trained on fixed data)
-  c.reference_examples = 0
-  c.seed = 0
-  # features
-  c.seq_len = 384
-  c.feature_batch = 4
-  # head and training
+  c = base_config(method, gen_batch_size=16, steps=2000, warmup=100)
   c.draft_vocab = 0  # 0: the full vocabulary; else the N most frequent answer tokens
   c.ttt_steps = 3 if method == "eagle3" else 1  # unrolled steps (EAGLE-3's training-time test)
   c.w_reg = 1.0  # EAGLE: feature regression (smooth L1)
@@ -48,17 +28,8 @@ def get_config(arg=None, method="eagle"):
   c.decay = 0.8  # weight of unrolled step s: decay**s
   c.window = 128
   c.batch_windows = 4
-  c.steps = 2000
-  c.lr = 1e-3
-  c.warmup = 100
-  c.weight_decay = 0.0
-  c.clip = 1.0
   c.eval_k = 4
-  c.eval_every = 250
-  c.save_every = 250
-  c.log_every = 25
   c.valid_max_windows = 48
-  c.workdir = f"/tmp/specjax_train/{method}"
   # The shipped head is the reduced-vocabulary one (`:reduced`); a full-vocabulary
   # run exports beside it.
   shipped = os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", method)

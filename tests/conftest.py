@@ -260,3 +260,26 @@ def tiny_gguf(tmp_path_factory) -> TinyGGUF:
   path = write(tmp_path_factory.mktemp("tiny_gguf") / "tiny-llama.gguf")
   return TinyGGUF(path=path, cfg=cfg, params=params, qtypes=dict(TINY_QTYPES),
                   tokenizer_fields=tokenizer_fields, write=write)
+
+
+# --- run configs -------------------------------------------------------------------
+
+CONFIGS_DIR = os.path.join(os.path.dirname(__file__), os.pardir, "configs")
+
+
+@pytest.fixture(scope="session")
+def load_config():
+  """load_config("medusa.py", "tiny", workdir=...) -> the config file's
+  get_config(variant) with fields overridden."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+
+  def load(filename, variant=None, **overrides):
+    spec = importlib.util.spec_from_file_location(f"config_{filename[:-3]}",
+                                                  os.path.join(CONFIGS_DIR, filename))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config(variant)
+    for k, v in overrides.items():
+      setattr(c, k, str(v) if k in ("workdir", "export") else v)
+    return c
+  return load

@@ -3,7 +3,6 @@ checkpoints, greedy identity, the training-time unroll against real drafting,
 and the state-equivalence of the head after rejections and all-accept rounds."""
 
 import functools
-import importlib.util
 import json
 import os
 
@@ -20,29 +19,17 @@ from specjax.drafters.base import Context, Target
 from specjax.models import cache as cache_lib
 from specjax.training import checkpoints, eagle_train, loop, run
 
-CONFIGS = os.path.join(os.path.dirname(__file__), os.pardir, "configs")
 T1 = sampling_lib.SamplingConfig(temperature=1.0)
 
 
-def _config(name, variant, workdir, **overrides):
-  spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(CONFIGS, name))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config(variant)
-  c.workdir = str(workdir)
-  for k, v in overrides.items():
-    setattr(c, k, v)
-  return c
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, load_config):
   """Tiny-trained heads: EAGLE (full vocabulary) and EAGLE-3 (reduced vocabulary)."""
   root = tmp_path_factory.mktemp("eagle")
   out = {}
   for name, cfg_file, variant in (("eagle", "eagle.py", "tiny"),
                                   ("eagle3", "eagle3.py", "tiny_reduced")):
-    c = _config(cfg_file, variant, root / name, export=str(root / name / "export"))
+    c = load_config(cfg_file, variant, workdir=root / name, export=root / name / "export")
     out[name] = (c, run.run(c, progress=lambda s: None))
   return out, root
 
@@ -79,9 +66,9 @@ def test_tiny_training_lowers_the_loss_and_exports(trained, tiny_target, name):
     assert card["draft_vocab"] == c.draft_vocab
 
 
-def test_killed_eagle3_run_resumes_to_identical_parameters(trained):
+def test_killed_eagle3_run_resumes_to_identical_parameters(trained, load_config):
   (c, _), root = trained[0]["eagle3"], trained[1]
-  cut = _config("eagle3.py", "tiny_reduced", root / "cut", export="")
+  cut = load_config("eagle3.py", "tiny_reduced", workdir=root / "cut", export="")
   first = run.run(cut, progress=lambda s: None, stop_after=15)  # "killed" after step 15
   assert first["step"] == 15
   resumed = run.run(cut, progress=lambda s: None)  # from the step-10 checkpoint

@@ -1,7 +1,6 @@
 """Medusa / blockwise: training (tiny target, seconds), exact resume,
 checkpoints tied to their target, and the drafter's round-to-round state."""
 
-import importlib.util
 import json
 import os
 
@@ -15,24 +14,10 @@ from specjax.decoding import speculative as sp
 from specjax.drafters import medusa
 from specjax.training import checkpoints, loop, run
 
-CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "medusa.py")
-
-
-def _tiny_config(workdir, **overrides):
-  spec = importlib.util.spec_from_file_location("medusa_config", CONFIG_FILE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config("tiny")
-  c.workdir = str(workdir)
-  for k, v in overrides.items():
-    setattr(c, k, v)
-  return c
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, load_config):
   root = tmp_path_factory.mktemp("medusa")
-  c = _tiny_config(root / "full", export=str(root / "export"))
+  c = load_config("medusa.py", "tiny", workdir=root / "full", export=root / "export")
   out = run.run(c, progress=lambda s: None)
   return c, out, root
 
@@ -49,9 +34,9 @@ def test_tiny_training_lowers_the_loss_and_exports(trained):
   assert card["num_heads"] == c.num_heads and card["best_step"] == out["best_step"]
 
 
-def test_killed_run_resumes_to_identical_parameters(trained):
+def test_killed_run_resumes_to_identical_parameters(trained, load_config):
   c, _, root = trained
-  cut = _tiny_config(root / "cut", export="")
+  cut = load_config("medusa.py", "tiny", workdir=root / "cut", export="")
   first = run.run(cut, progress=lambda s: None, stop_after=15)  # "killed" after step 15
   assert first["step"] == 15 and "estimate" not in first
   resumed = run.run(cut, progress=lambda s: None)  # restarts from the step-10 checkpoint

@@ -24,6 +24,45 @@ from specjax.training import checkpoints, distill_data, eagle_train, loop, medus
 TINY = "tiny"  # a small random target (tests): token prompts, no tokenizer
 
 
+def base_config(method: str, **overrides):
+  """The fields every drafter's training config shares (configs/medusa.py,
+  configs/eagle.py): target, self-distillation data, features, optimizer,
+  checkpoint cadence. Each config adds its drafter's fields."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  c = ml_collections.ConfigDict()
+  c.method = method
+  c.model = "smollm2-135m"
+  c.dtype = "float32"
+  # data
+  c.sources = "alpaca,code_alpaca,gpteacher_code,gsm8k_train"
+  c.num_examples = 600
+  c.max_new_tokens = 192
+  c.max_prompt_tokens = 192
+  c.gen_batch_size = 8
+  c.sample_fraction = 0.25
+  c.valid_fraction = 0.05
+  c.data_path = ""
+  c.seed = 0
+  # + this many datasets' reference answers (teacher-forced through the target:
+  # one forward each instead of a generation)
+  c.reference_examples = 0
+  # features
+  c.seq_len = 384
+  c.feature_batch = 4
+  # optimizer and cadence
+  c.steps = 1500
+  c.lr = 1e-3
+  c.warmup = 50
+  c.weight_decay = 0.0
+  c.clip = 1.0
+  c.eval_every = 250
+  c.save_every = 250
+  c.log_every = 25
+  c.workdir = f"/tmp/specjax_train/{method}"
+  c.update(overrides)
+  return c
+
+
 def _target(c) -> Model:
   if c.model == TINY:
     cfg = tiny_config(vocab_size=64, dim=64, num_layers=2, eos_id=-1, max_seq_len=256)
