@@ -283,3 +283,21 @@ def load_config():
       setattr(c, k, str(v) if k in ("workdir", "export") else v)
     return c
   return load
+
+
+# --- process resources ---------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+  """Drop JAX's in-memory compiled executables after each test module.
+
+  The whole suite runs in one process; on the 2-core CI machine XLA aborted
+  (SIGABRT while compiling, no message, no OOM) once several hundred
+  executables were alive, at a different test each run. Executables shared
+  within a module stay shared; across modules the persistent compilation
+  cache (above) reloads them from disk instead of recompiling."""
+  yield
+  jax.clear_caches()
+  import gc  # pylint: disable=import-outside-toplevel
+  gc.collect()

@@ -109,11 +109,7 @@ def test_long_horizon_pit_on_smollm2(smollm2, category_prompts):
   assert result.pooled_pvalue > 1e-3, result
 
 
-# The shipped EAGLE heads' exactness under sampling is covered by the tiny-model
-# Monte-Carlo family and PIT (tests/test_exactness_montecarlo.py); their PIT on
-# SmolLM2 passes alone (3 min) but, late in the full suite, XLA aborted while
-# compiling it on the 2-core CI machine: kept out until that is understood.
-@pytest.mark.parametrize("method", ["medusa"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
 def test_long_horizon_pit_shipped_heads(smollm2, category_prompts, method):
   """Shipped heads sampling at T = 1 for a T = 0.8 target: PIT-uniform."""
   sampling = sampling_lib.SamplingConfig(temperature=0.8)
