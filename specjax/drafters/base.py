@@ -81,15 +81,17 @@ def cut_at_eos(tokens: jax.Array, num_proposed: jax.Array, eos_id: int) -> jax.A
   return jnp.minimum(num_proposed, first)
 
 
-def sample_chain(step, carry, first_logits, keys, k: int, sampling, active):
+def sample_chain(step, carry, first_logits, keys, k: int, sampling, active, draw=None):
   """Autoregressive drafting of k tokens.
 
   `step(carry, tokens (B,)) -> (logits (B, V), carry)` feeds one token per row.
   Token i is drawn from q_i = probs(logits_i, sampling) with key
-  fold_in(keys[b], i); the k-th token is sampled but not fed (the verify
-  forward feeds it). Returns (tokens (B, k), q (B, k, V), carry).
+  fold_in(keys[b], i) -- or by `draw(logits, i) -> (tokens (B,), q (B, V))`
+  when given (a drafter whose logits cover a sub-vocabulary); the k-th token
+  is sampled but not fed (the verify forward feeds it). Returns (tokens
+  (B, k), q (B, k, V), carry).
   """
-  def draw(logits, i):
+  def default_draw(logits, i):
     q = sampling_lib.probs(logits, sampling)
     if sampling.greedy:
       x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -97,6 +99,8 @@ def sample_chain(step, carry, first_logits, keys, k: int, sampling, active):
       sub = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
       x = jax.vmap(sampling_lib.sample_from_probs)(sub, q)
     return x, q
+
+  draw = draw or default_draw
 
   x0, q0 = draw(first_logits, 0)
 

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos
+from specjax.drafters.base import Drafter, Proposal, cut_at_eos, sample_chain
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -338,26 +338,13 @@ class Eagle(Drafter):
       a_new = a_new[:, 0]
       return draft_logits(params, target.params, cfg, a_new, lm_w), (c, a_new)
 
-    tokens, q, (cache, _) = self._chain(step, (cache, a_last), first, keys, params, target)
+    draw = lambda logits, i: self._draw(params, target, logits, keys, i)  # pylint: disable=unnecessary-lambda-assignment
+    tokens, q, (cache, _) = sample_chain(step, (cache, a_last), first, keys, self.k,
+                                         self.sampling, ctx.active, draw=draw)
     num = cut_at_eos(tokens, jnp.full(tokens.shape[:1], self.k, jnp.int32), cfg.eos_id)
     num = jnp.where(ctx.active, num, 0)
     return (Proposal(tokens=tokens, q=q, num_proposed=num),
             state.replace(cache=cache, base=base), target_cache)
-
-  def _chain(self, step, carry, first_logits, keys, head, target):
-    """sample_chain with the reduced-vocabulary mapping of `_draw`."""
-    x0, q0 = self._draw(head, target, first_logits, keys, 0)
-
-    def body(c, i):
-      carry, x = c
-      logits, carry = step(carry, x)
-      x_next, q = self._draw(head, target, logits, keys, i)
-      return (carry, x_next), (x_next, q)
-
-    (carry, _), (xs, qs) = jax.lax.scan(body, (carry, x0), jnp.arange(1, self.k))
-    tokens = jnp.concatenate([x0[:, None], jnp.moveaxis(xs, 0, 1)], axis=1)
-    q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-    return tokens, q, carry
 
   def commit(self, params, state, ctx, verify):
     act = ctx.active
