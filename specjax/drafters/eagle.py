@@ -338,7 +338,9 @@ class Eagle(Drafter):
       a_new = a_new[:, 0]
       return draft_logits(params, target.params, cfg, a_new, lm_w), (c, a_new)
 
-    draw = lambda logits, i: self._draw(params, target, logits, keys, i)  # pylint: disable=unnecessary-lambda-assignment
+    def draw(logits, i):
+      return self._draw(params, target, logits, keys, i)
+
     tokens, q, (cache, _) = sample_chain(step, (cache, a_last), first, keys, self.k,
                                          self.sampling, ctx.active, draw=draw)
     num = cut_at_eos(tokens, jnp.full(tokens.shape[:1], self.k, jnp.int32), cfg.eos_id)
