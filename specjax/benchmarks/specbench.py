@@ -579,7 +579,8 @@ def run_benchmark(c, model: Optional[Model] = None,
       "top_k": sampling.top_k, "top_p": sampling.top_p,
       "precision": engine.model.cfg.dtype if engine else str(c.dtype),
       "seed": int(c.seed), "max_new_tokens": int(c.max_new_tokens),
-      "checkpoints": {m: registry.drafter_id(m, c) for m in methods},
+      "checkpoints": {m: registry.drafter_id(m, c, engine.model if engine else None)
+                      for m in methods},
       "commit": commit, "hardware": hardware(),
   }
   calib = None

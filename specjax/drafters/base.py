@@ -92,13 +92,7 @@ def sample_chain(step, carry, first_logits, keys, k: int, sampling, active, draw
   (B, k), q (B, k, V), carry).
   """
   def default_draw(logits, i):
-    q = sampling_lib.probs(logits, sampling)
-    if sampling.greedy:
-      x = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-      sub = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
-      x = jax.vmap(sampling_lib.sample_from_probs)(sub, q)
-    return x, q
+    return draw_from(logits, sampling, keys, i)
 
   draw = draw or default_draw
 
@@ -114,6 +108,24 @@ def sample_chain(step, carry, first_logits, keys, k: int, sampling, active, draw
   tokens = jnp.concatenate([x0[:, None], jnp.moveaxis(xs, 0, 1)], axis=1)
   q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
   return tokens, q, carry
+
+
+def draw_from(logits, sampling, keys, i, vocab=None, vocab_size: Optional[int] = None):
+  """One guess per row from draft logits (B, V) -> (x (B,), q (B, V)), as
+  `sample_chain` draws its i-th token. With `vocab` (Vd,) the logits cover
+  only those token ids (a reduced draft vocabulary): the guess is mapped back
+  to its id and q is scattered into the full vocabulary (zero elsewhere, so
+  it is exactly the distribution the guess was drawn from)."""
+  q_sub = sampling_lib.probs(logits, sampling)
+  if sampling.greedy:
+    j = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  else:
+    sub = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
+    j = jax.vmap(sampling_lib.sample_from_probs)(sub, q_sub)
+  if vocab is None:
+    return j, q_sub
+  q = jnp.zeros((logits.shape[0], vocab_size), jnp.float32).at[:, vocab].set(q_sub)
+  return vocab[j], q
 
 
 @dataclasses.dataclass(frozen=True)

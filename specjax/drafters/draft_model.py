@@ -8,6 +8,12 @@ all-accept round also its own last guess (which the verify forward fed but it
 did not) -- then drafts k tokens autoregressively. On commit its fill level is
 lowered to the prefix it agrees with, discarding what it wrote for rejected
 guesses.
+
+A reduced draft vocabulary (a distilled model trained with one, or any draft
+model narrowed at load by `with_draft_vocab`): params carry "vocab" (Vd,) ids
+and "lm_rows" (Vd, D), those rows of its LM head; drafting computes logits over
+them only (on SmolLM2 the full LM head costs more than its first layers) and
+q is zero on every other token -- exactly the distribution drawn from.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import dataclasses
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos, sample_chain
+from specjax.drafters.base import Drafter, Proposal, cut_at_eos, draw_from, sample_chain
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -68,25 +75,71 @@ class DraftModel(Drafter):
     behind = jnp.clip(ctx.length - m, 1, CATCH_UP)
     idx = jnp.minimum(m[:, None] + jnp.arange(CATCH_UP)[None], ctx.history.shape[1] - 1)
     fed = jnp.take_along_axis(ctx.history, idx, axis=1)
-    logits, _, cache = transformer.forward(params, self.cfg, fed,
-                                           transformer.chain_positions(cache, CATCH_UP), cache,
-                                           active=ctx.active)
+    logits, cache = self._forward(params, fed, cache, CATCH_UP, ctx.active)
     cache = cache.with_length(jnp.where(ctx.active, m + behind, m))
     first = jnp.take_along_axis(logits, (behind - 1)[:, None, None], axis=1)[:, 0]
 
     def step(c, x):
-      lg, _, c = transformer.forward(params, self.cfg, x[:, None],
-                                     transformer.chain_positions(c, 1), c, active=ctx.active)
+      lg, c = self._forward(params, x[:, None], c, 1, ctx.active)
       return lg[:, 0], c
 
-    tokens, q, cache = sample_chain(step, cache, first, keys, self.k, self.sampling, ctx.active)
+    def draw(lg, i):
+      return draw_from(lg, self.sampling, keys, i, params.get("vocab"), self.cfg.vocab_size)
+
+    tokens, q, cache = sample_chain(step, cache, first, keys, self.k, self.sampling, ctx.active,
+                                    draw=draw)
     num = cut_at_eos(tokens, jnp.full(tokens.shape[:1], self.k, jnp.int32), self.cfg.eos_id)
     return Proposal(tokens=tokens, q=q, num_proposed=num), DraftModelState(cache), target_cache
+
+  def _forward(self, params, tokens, cache, num_new: int, active):
+    """-> (logits over the draft vocabulary (B, T, V or Vd), cache)."""
+    pos = transformer.chain_positions(cache, num_new)
+    if "vocab" not in params:
+      logits, _, cache = transformer.forward(params, self.cfg, tokens, pos, cache, active=active)
+      return logits, cache
+    _, hidden, cache = transformer.forward(params, self.cfg, tokens, pos, cache, active=active,
+                                           compute_logits=False)
+    return transformer.lm_head({"embed": params["lm_rows"]},
+                               self.cfg.replace(tie_embeddings=True), hidden), cache
 
   def commit(self, params, state, ctx, verify):
     # Entries past the committed prefix it agrees with belong to rejected guesses.
     c = state.cache
     return DraftModelState(c.with_length(jnp.minimum(c.length, ctx.length - 1)))
+
+
+def with_draft_vocab(params, cfg: ModelConfig, draft_vocab, rank=None):
+  """The draft model's params with its draft vocabulary chosen at load time:
+  None keeps the params' own ("vocab" or the full one); "full" drops it; N
+  keeps the N first tokens of `rank` (most frequent first; default the
+  params' "vocab_rank"), EOS always included. Adds "lm_rows" for the
+  reduced case."""
+  params = {k: v for k, v in params.items() if k not in ("lm_rows",)}
+  rank = params.pop("vocab_rank", rank)
+  if str(draft_vocab) == "full":
+    params.pop("vocab", None)
+  elif draft_vocab not in (None, "", 0, "0"):
+    try:
+      n = int(draft_vocab)
+    except (TypeError, ValueError):
+      raise ValueError(f"draft_vocab must be 'full' or a number of tokens, got {draft_vocab!r}") \
+          from None
+    if not 1 <= n <= cfg.vocab_size:
+      raise ValueError(f"draft_vocab={n}: must lie in [1, {cfg.vocab_size}]")
+    if rank is None:
+      raise ValueError("draft_vocab=N needs a token ranking (the checkpoint's 'vocab_rank'); "
+                       "this draft model has none: use 'full' or its own vocabulary")
+    rank = np.asarray(rank)
+    if "vocab" in params:  # a model trained on a subset can only be narrowed further
+      rank = rank[np.isin(rank, np.asarray(params["vocab"]))]
+    keep = [int(x) for x in rank[:n]]
+    if cfg.eos_id >= 0 and cfg.eos_id not in keep:
+      keep = keep[:max(n - 1, 0)] + [cfg.eos_id]
+    params["vocab"] = jnp.asarray(np.sort(np.asarray(keep, np.int32)))
+  if "vocab" in params:
+    w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    params["lm_rows"] = jnp.take(w, params["vocab"], axis=0)
+  return params
 
 
 def truncated_model(params, cfg: ModelConfig, num_layers: int):

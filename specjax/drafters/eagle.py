@@ -53,7 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos, sample_chain
+from specjax.drafters.base import Drafter, Proposal, cut_at_eos, draw_from, sample_chain
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -281,18 +281,7 @@ class Eagle(Drafter):
 
   def _draw(self, head, target, logits, keys, i):
     """One guess per row from the draft logits (B, Vd) -> (x (B,), q (B, V))."""
-    q_sub = sampling_lib.probs(logits, self.sampling)
-    if self.sampling.greedy:
-      j = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-      sub = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
-      j = jax.vmap(sampling_lib.sample_from_probs)(sub, q_sub)
-    if "vocab" not in head:
-      return j, q_sub
-    vocab = head["vocab"]
-    q = jnp.zeros((logits.shape[0], target.cfg.vocab_size), jnp.float32)
-    q = q.at[:, vocab].set(q_sub)
-    return vocab[j], q
+    return draw_from(logits, self.sampling, keys, i, head.get("vocab"), target.cfg.vocab_size)
 
   def init(self, params, target, prompt_tokens, prompt_lengths, num_slots, hidden=None):
     """Pairs of prompt positions 0 .. P-2 into the head's cache; the feature

@@ -8,10 +8,15 @@ None fields take the defaults below); it is typically the run's ConfigDict:
 
   prompt_lookup  k, max_ngram, min_ngram
   layer_skip     k, layers ('0-9', '0,2,4', 'every2'; default the first third)
-  draft_model    k, draft_model: 'self:N' (the target's first N layers, final
-                 norm and LM head as a separate model with its own cache;
-                 default 'self:<num_layers // 3>') or a model name / GGUF / HF
-                 directory that `specjax.io.load.load_model` understands
+  draft_model    k, draft_model: 'distilled' (the draft model distilled from
+                 SmolLM2-135M shipped in specjax/checkpoints/; the default for
+                 that target), a distilled checkpoint directory
+                 (experiments/train.py --config=configs/draft_model.py), 'self:N'
+                 (the target's first N layers, final norm and LM head as a
+                 separate model with its own cache; the default for other
+                 targets: 'self:<num_layers // 3>'), or a model name / GGUF / HF
+                 directory that `specjax.io.load.load_model` understands;
+                 draft_vocab for a distilled one as for eagle
   replay         k; the reference continuations (`reference=`, e.g. the AR output)
   always_reject  k
   medusa         k (<= the checkpoint's heads), checkpoint (default: the heads
@@ -42,6 +47,7 @@ import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax.drafters.base import Drafter
+from specjax.drafters import draft_model as draft_model_lib
 from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.layer_skip import LayerSkip, parse_layers
 from specjax.drafters.medusa import Blockwise, Medusa
@@ -128,22 +134,70 @@ def truncated_model(params, cfg, num_layers: int):
   its own: (params, cfg). Arrays are shared with the target, not copied."""
   if not 1 <= num_layers <= cfg.num_layers:
     raise ValueError(f"draft_model 'self:N' needs 1 <= N <= {cfg.num_layers}, got {num_layers}")
-  sub = {k: v for k, v in params.items() if k != "layers"}
-  sub["layers"] = list(params["layers"][:num_layers])
-  return sub, cfg.replace(num_layers=num_layers)
+  return draft_model_lib.truncated_model(params, cfg, num_layers)
 
 
-def _draft_model(spec: str, target_model):
+def _is_drafter_checkpoint(spec: str) -> bool:
+  from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+  return os.path.isfile(os.path.join(spec, checkpoints.CARD))
+
+
+def distilled_model(path: str, target_model, draft_vocab=None):
+  """A distilled draft model (configs/draft_model.py) for this target -> (params, cfg):
+  its layers and final norm from the checkpoint (fingerprint checked), the
+  target's embedding and LM head, the draft vocabulary chosen by `draft_vocab`."""
+  from specjax.training import checkpoints, draft_train  # pylint: disable=import-outside-toplevel
+  cfg = target_model.cfg
+  student, card = checkpoints.load_drafter(path, target_model.params, cfg, method="draft_model")
+  n = len(student.get("layers", ()))
+  if n != card.get("num_layers") or "final_norm" not in student:
+    raise checkpoints.CheckpointError(
+        f"{path}: a draft_model checkpoint needs {card.get('num_layers')} layers and a final "
+        f"norm, found {n} layers")
+  dcfg = draft_train.student_config(cfg, n)
+  params = draft_train.assemble(student, target_model.params, cfg)
+  params["vocab_rank"] = student.get("vocab_rank")
+  if params["vocab_rank"] is None:
+    params.pop("vocab_rank")
+  return draft_model_lib.with_draft_vocab(params, dcfg, draft_vocab), dcfg
+
+
+def _draft_model(spec: str, target_model, draft_vocab=None):
   if spec.startswith("self:"):
     try:
       n = int(spec[len("self:"):])
     except ValueError:
       raise ValueError(f"draft_model {spec!r}: expected 'self:N' with an integer N") from None
-    return truncated_model(target_model.params, target_model.cfg, n)
-  from specjax.io.load import load_model  # pylint: disable=import-outside-toplevel
+    out = truncated_model(target_model.params, target_model.cfg, n)
+  elif spec == "distilled":
+    out = distilled_model(shipped_checkpoint("draft_model"), target_model, draft_vocab)
+  elif os.path.isdir(spec) and _is_drafter_checkpoint(spec):
+    out = distilled_model(spec, target_model, draft_vocab)
+  else:
+    from specjax.io.load import load_model  # pylint: disable=import-outside-toplevel
+    draft = load_model(spec, target_model.cfg.dtype)
+    out = draft.params, draft.cfg
+  if draft_vocab not in (None, "") and spec != "distilled" and not _is_drafter_checkpoint(spec):
+    if str(draft_vocab) != "full":
+      raise ValueError(f"draft_vocab={draft_vocab}: only a distilled draft model (with its "
+                       f"token ranking) can be narrowed; {spec!r} drafts over its full vocabulary")
+  return out
 
-  draft = load_model(spec, target_model.cfg.dtype)
-  return draft.params, draft.cfg
+
+def default_draft_model(target_model) -> str:
+  """'distilled' for the target the shipped draft model was trained for, else 'self:L/3'."""
+  path = shipped_checkpoint("draft_model")
+  if os.path.isdir(path):
+    from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+    try:
+      with open(os.path.join(path, checkpoints.CARD)) as f:
+        import json  # pylint: disable=import-outside-toplevel
+        fp = json.load(f).get("target_fingerprint")
+      if fp == checkpoints.target_fingerprint(target_model.params, target_model.cfg):
+        return "distilled"
+    except (OSError, ValueError):
+      pass
+  return f"self:{max(1, target_model.cfg.num_layers // 3)}"
 
 
 def reference_params(continuations: Sequence[Sequence[int]], width: Optional[int] = None,
@@ -161,17 +215,34 @@ def shipped_checkpoint(kind: str) -> str:
   return os.path.join(CHECKPOINT_DIR, SHIPPED_TARGET, kind)
 
 
-def drafter_id(method: str, config) -> Optional[str]:
-  """Which trained weights a method uses (for result records): the checkpoint
-  path relative to the shipped ones when it is shipped, plus the draft
-  vocabulary choice; None for training-free drafters."""
-  if method not in _CHECKPOINT_KIND:
-    return None
-  path = _field(config, "checkpoint") or shipped_checkpoint(_CHECKPOINT_KIND[method])
+def _relative(path: str) -> str:
   path = os.path.abspath(path)
   if path.startswith(CHECKPOINT_DIR + os.sep):
     path = os.path.relpath(path, CHECKPOINT_DIR)
-  vocab = _field(config, "draft_vocab") if method in ("eagle", "eagle3") else None
+  return path
+
+
+def drafter_id(method: str, config, target_model=None) -> Optional[str]:
+  """Which trained weights a method uses (for result records): the checkpoint
+  path relative to the shipped ones when it is shipped, plus the draft
+  vocabulary choice; for the draft model its spec; None for training-free
+  drafters."""
+  vocab = _field(config, "draft_vocab")
+  if method == "draft_model":
+    spec = _field(config, "draft_model")
+    if spec is None and target_model is not None:
+      spec = default_draft_model(target_model)
+    if spec == "distilled":
+      spec = _relative(shipped_checkpoint("draft_model"))
+    elif spec and _is_drafter_checkpoint(spec):
+      spec = _relative(spec)
+    else:
+      vocab = None
+    return None if spec is None else spec + (f" (draft_vocab={vocab})" if vocab else "")
+  if method not in _CHECKPOINT_KIND:
+    return None
+  path = _relative(_field(config, "checkpoint") or shipped_checkpoint(_CHECKPOINT_KIND[method]))
+  vocab = vocab if method in ("eagle", "eagle3") else None
   return path + (f" (draft_vocab={vocab})" if vocab else "")
 
 
@@ -227,8 +298,8 @@ def make_drafter(method: str, config, target_model, *, reference=None,
                           cfg.num_layers)
     return LayerSkip(k=k, layers=layers, sampling=sampling), None
   if method == "draft_model":
-    spec = str(_field(config, "draft_model", f"self:{max(1, cfg.num_layers // 3)}"))
-    draft_params, draft_cfg = _draft_model(spec, target_model)
+    spec = str(_field(config, "draft_model") or default_draft_model(target_model))
+    draft_params, draft_cfg = _draft_model(spec, target_model, _field(config, "draft_vocab"))
     return DraftModel(k=k, cfg=draft_cfg, sampling=sampling), draft_params
   if method == "replay":
     drafter = Replay(k=k)

@@ -1,5 +1,5 @@
 """One training run from a config (configs/medusa.py, configs/eagle.py,
-configs/eagle3.py): self-distillation data -> target features -> optax
+configs/eagle3.py, configs/draft_model.py): self-distillation data -> target features -> optax
 training with orbax checkpoints -> exported, fingerprinted drafter checkpoint."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from specjax.drafters import eagle, medusa
 from specjax.io.load import Model, load_model
 from specjax.models import transformer
 from specjax.models.config import tiny_config
-from specjax.training import checkpoints, distill_data, eagle_train, loop, medusa_train
+from specjax.training import (checkpoints, distill_data, draft_train, eagle_train, loop,
+                              medusa_train)
 
 TINY = "tiny"  # a small random target (tests): token prompts, no tokenizer
 
@@ -117,8 +118,11 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
   method = c.get("method", "medusa")
   if method in ("eagle", "eagle3"):
     return _run_eagle(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
+  if method == "draft_model":
+    return _run_draft_model(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
   if method != "medusa":
-    raise ValueError(f"unknown drafter to train {method!r} (known: medusa, eagle, eagle3)")
+    raise ValueError(f"unknown drafter to train {method!r} "
+                     "(known: medusa, eagle, eagle3, draft_model)")
   # 2. features (once; reused by every epoch)
   t0 = time.perf_counter()
   pool = medusa_train.FeaturePool.build(model.params, model.cfg, train_seqs, seq_len=c.seq_len,
@@ -232,6 +236,80 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
             "config": json.loads(c.to_json()), "train_steps": c.steps, "best_step": best_step,
             "train_positions": pool.num_positions, "valid_windows": len(windows),
             "estimated": final_eval, "wall_s": round(time.perf_counter() - t_start, 1)}
+    checkpoints.save_drafter(c.export, params, card)
+    out["export"] = c.export
+    progress(f"exported {c.export}")
+  return out
+
+
+def _reduced_vocab(c, cfg, train_seqs, progress):
+  if not c.draft_vocab:
+    return None
+  counts = eagle_train.token_counts(train_seqs, cfg.vocab_size)
+  vocab = eagle_train.reduced_vocab(counts, c.draft_vocab, always=(cfg.eos_id,))
+  covered = counts[vocab].sum() / max(counts.sum(), 1)
+  progress(f"reduced draft vocabulary: {len(vocab)} tokens cover {covered:.1%} of the "
+           "training answers' tokens")
+  return jnp.asarray(vocab)
+
+
+def _run_draft_model(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_start):
+  """A small independent draft model distilled from the target (draft_train)."""
+  cfg = model.cfg
+  scfg = draft_train.student_config(cfg, c.draft_layers)
+  init_layers = draft_train.parse_init_layers(c.init_layers, cfg.num_layers, c.draft_layers)
+  t0 = time.perf_counter()
+  pool = eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len,
+                                   batch_size=c.feature_batch, progress=progress)
+  vpool = eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len,
+                                    batch_size=c.feature_batch)
+  progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
+           f"{time.perf_counter() - t0:.0f}s")
+  vocab = _reduced_vocab(c, cfg, train_seqs, progress)
+  student0 = draft_train.init_student(model.params, cfg, init_layers)
+  opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
+  step_fn = draft_train.make_step(opt, model.params, cfg, scfg, vocab=vocab, loss=c.loss)
+  order = draft_train.length_order(pool)
+
+  def batch_fn(step):
+    rng = np.random.default_rng([c.seed, step])
+    return jax.tree.map(jnp.asarray,
+                        draft_train.sequence_batch(pool, order, rng, c.batch_seqs, c.seq_len))
+
+  def eval_fn(student):
+    return draft_train.estimate(student, model.params, cfg, scfg, vpool, c.eval_k, vocab,
+                                batch_seqs=c.batch_seqs, max_len=c.seq_len,
+                                max_seqs=c.valid_max_seqs or None)
+
+  result = loop.train(workdir=c.workdir, init_params=student0, optimizer=opt, step_fn=step_fn,
+                      batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
+                      eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
+                      log_every=c.log_every, progress=progress, stop_after=stop_after)
+  out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
+         "valid_positions": vpool.num_positions, "wall_s": time.perf_counter() - t_start}
+  if result.step < c.steps:
+    return out
+  best, best_step = loop.best_params(c.workdir, student0)
+  best = best if best is not None else result.params
+  final_eval = eval_fn(best)
+  initial_eval = eval_fn(student0)
+  out.update(best_step=best_step, estimate=final_eval, estimate_at_init=initial_eval)
+  if c.export:
+    store = jnp.dtype(c.store_dtype)
+    rank = np.lexsort((np.arange(cfg.vocab_size),
+                       -eagle_train.token_counts(train_seqs, cfg.vocab_size)))
+    params = dict(jax.tree.map(lambda x: x.astype(store), best),
+                  vocab_rank=jnp.asarray(rank, jnp.int32),
+                  **({} if vocab is None else {"vocab": vocab}))
+    card = {"method": "draft_model", "num_layers": c.draft_layers,
+            "init_layers": list(init_layers), "loss": c.loss, "store_dtype": c.store_dtype,
+            "draft_vocab": 0 if vocab is None else int(len(vocab)),
+            "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(
+                model.params, cfg),
+            "config": json.loads(c.to_json()), "train_steps": c.steps, "best_step": best_step,
+            "train_positions": pool.num_positions, "valid_positions": vpool.num_positions,
+            "estimated": final_eval, "estimated_at_init": initial_eval,
+            "wall_s": round(time.perf_counter() - t_start, 1)}
     checkpoints.save_drafter(c.export, params, card)
     out["export"] = c.export
     progress(f"exported {c.export}")

@@ -1,0 +1,54 @@
+"""Distil a small independent draft model from SmolLM2 (DistillSpec-style).
+
+  python experiments/train.py --config=configs/draft_model.py
+  python experiments/train.py --config=configs/draft_model.py:full   # full-vocabulary drafting
+  python experiments/train.py --config=configs/draft_model.py:tiny   # seconds, tests
+
+The student has the target's width and tokenizer and `draft_layers` decoder
+layers initialised from the target's `init_layers` (default: the first
+draft_layers - 1 and the last); its embedding and LM head are the target's,
+frozen and referenced by the checkpoint. Trained on the same self-distillation
+data as the heads (`data_path`, + `reference_examples` of the datasets' own
+answers) with `loss` = kl | tv | kl+tv against the target's T = 1
+distributions; the best student by the teacher-forced tau estimate is exported
+to `export`. `python experiments/export.py --config.checkpoint=<export>`
+writes it as a standalone HF-format model (full embedding).
+"""
+
+import os
+
+from specjax.training.run import base_config
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def get_config(arg=None):
+  c = base_config("draft_model", steps=1000, warmup=50, lr=3e-4, eval_every=250)
+  c.draft_layers = 4
+  c.init_layers = ""  # '' = default_init_layers; else e.g. '0,1,2,29'
+  c.loss = "kl"
+  c.draft_vocab = 8192  # 0: the full vocabulary; else the N most frequent answer tokens
+  c.batch_seqs = 4
+  c.eval_k = 4
+  c.valid_max_seqs = 32
+  # 4 SmolLM2 layers are 57 MB in float32: the shipped weights are stored in
+  # bfloat16 (loading casts them to the target's dtype).
+  c.store_dtype = "bfloat16"
+  c.workdir = "/tmp/specjax_train/draft_model"
+  c.export = os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", "draft_model")
+  if arg == "tiny":  # a tiny random target, trained in seconds (tests)
+    c.update(dict(model="tiny", num_examples=24, max_new_tokens=24, seq_len=64,
+                  feature_batch=8, draft_layers=1, steps=40, lr=3e-3, warmup=5,
+                  eval_every=20, save_every=10, log_every=10, valid_fraction=0.2, eval_k=3,
+                  draft_vocab=0, store_dtype="float32", valid_max_seqs=8,
+                  workdir="/tmp/specjax_train/draft_model_tiny", export=""))
+  elif arg == "tiny_reduced":
+    c = get_config("tiny")
+    c.draft_vocab = 32
+  elif arg == "full":
+    c.update(dict(draft_vocab=0, workdir="/tmp/specjax_train/draft_model_full",
+                  export=c.export + "_full"))
+  elif arg:
+    raise ValueError(f"unknown variant {arg!r} of configs/draft_model.py "
+                     "(known: tiny, tiny_reduced, full)")
+  return c
