@@ -241,3 +241,152 @@ def typical_accept(
   n = _leading_true(keep)
   p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
   return n, jnp.argmax(p_n, axis=-1).astype(jnp.int32)
+
+
+# ---- trees and multiple drafts -------------------------------------------------
+#
+# A candidate tree per row: N nodes in topological order (every node after its
+# parent), node j holding the token tokens[j], its parent parent[j] (-1: the
+# root, i.e. the newest committed token), and q[j], the distribution x_j was
+# drawn from GIVEN everything drawn before it. Siblings appear in the order
+# they were drawn. The target's forward over [root, node 0, ..., node N-1]
+# (ancestor-only attention) gives p[0] at the root and p[j + 1] at node j: the
+# distribution of the children of that position.
+#
+# One rule serves every way of drawing siblings, because what differs is only
+# which q each sibling was drawn from:
+#   * i.i.d. siblings from the drafter's q at the parent (SpecInfer, Miao et al.
+#     2023, arXiv:2305.09781): q[j] = that q for every sibling;
+#   * siblings without replacement (sequential sampling / Gumbel-top-k; Jeon et
+#     al. 2024, arXiv:2402.14160): q[j] = the parent's q with the earlier
+#     siblings' tokens zeroed and renormalised;
+#   * deterministic candidates (n-gram lookup, Lookahead's pool, fixed top-k
+#     of a drafter): q[j] = one-hot(x_j).
+# Starting at the root with p_cur = p[0], the children of the current node are
+# tested in order: x_j is kept iff u_j * q[j](x_j) < p_cur(x_j); kept -> move to
+# node j, p_cur = p[j + 1]; rejected -> p_cur = norm(max(0, p_cur - q[j])) and
+# the next sibling is tested. After the last child (or at a leaf) the next
+# token is drawn from p_cur. Each test is one speculative-sampling step of a
+# single draft against p_cur, whose output (kept token, else a draw from the
+# residual) is distributed as p_cur; a rejected step hands the residual on as
+# the distribution the next sibling is tested against -- so by induction over
+# the siblings, and then over the depth, the emitted tokens are distributed as
+# the target's. The precondition is what makes each step exact: x_j must be
+# distributed as q[j] given everything before it (the earlier siblings and the
+# path's acceptance decisions), so the tree's SHAPE below a node may depend on
+# what was drawn at or above it, but a node's children may not be selected by
+# their own values (an exact dynamic tree keeps a prefix of each node's draw
+# order whose length is fixed before the children are drawn).
+
+
+def _tree_shapes(tokens, parent, dists, extra: int, name: str):
+  B, N = tokens.shape
+  if parent.shape != (B, N):
+    raise ValueError(f"parent must have shape {(B, N)} like tokens, got {parent.shape}")
+  if dists.ndim != 3 or dists.shape[:2] != (B, N + extra):
+    raise ValueError(f"{name} must have shape (B, N+{extra}, V) = ({B}, {N + extra}, V) for "
+                     f"tokens of shape {tokens.shape}, got {dists.shape}")
+  return B, N, dists.shape[-1]
+
+
+def tree_accept_with_uniforms(
+    u_accept: Float[Array, "B N"],
+    u_draw: Float[Array, "B"],
+    tokens: Int[Array, "B N"],
+    parent: Int[Array, "B N"],
+    q: Float[Array, "B N V"],
+    p: Float[Array, "B N+1 V"],
+    num_nodes: Int[Array, "B"],
+) -> Tuple[Int[Array, "B N"], Int[Array, "B"], Int[Array, "B"]]:
+  """Exact multi-draft / tree verification (see the comment above) with given uniforms.
+
+  Returns:
+    path: (B, N) int32, the accepted nodes from the root down (entries at or
+      beyond num_accepted are -1).
+    num_accepted: (B,) int32, the accepted path's length.
+    next_token: (B,) int32, drawn from the final p_cur.
+  """
+  B, N, _ = _tree_shapes(tokens, parent, p, 1, "p")
+  if q.shape != (B, N) + p.shape[2:]:
+    raise ValueError(f"q must have shape {(B, N) + p.shape[2:]}, got {q.shape}")
+  num_nodes = jnp.clip(jnp.asarray(num_nodes, jnp.int32), 0, N)
+  tokens = tokens.astype(jnp.int32)
+  rows = jnp.arange(B)
+
+  def step(carry, j):
+    cur, p_cur, n, path = carry
+    x = tokens[:, j]
+    q_j = q[:, j]
+    child = (parent[:, j] == cur) & (j < num_nodes)
+    q_x = q_j[rows, x]
+    p_x = p_cur[rows, x]
+    keep = child & (u_accept[:, j] * q_x < p_x)
+    reject = child & ~keep
+    residual = jnp.maximum(p_cur - q_j, 0.0)
+    mass = jnp.sum(residual, axis=-1, keepdims=True)
+    # An (numerically) empty residual means p_cur <= q_j: rejection had
+    # probability ~0 (its mass), and p_cur is kept as it is.
+    residual = jnp.where(mass > RESIDUAL_MASS_FLOOR, residual / jnp.maximum(mass, 1e-30), p_cur)
+    p_cur = jnp.where(keep[:, None], p[:, j + 1], jnp.where(reject[:, None], residual, p_cur))
+    path = path.at[rows, jnp.where(keep, n, N)].set(j, mode="drop")
+    return (jnp.where(keep, j, cur), p_cur, n + keep.astype(jnp.int32), path), None
+
+  init = (jnp.full((B,), -1, jnp.int32), p[:, 0], jnp.zeros((B,), jnp.int32),
+          jnp.full((B, N), -1, jnp.int32))
+  (_, p_cur, n, path), _ = jax.lax.scan(step, init, jnp.arange(N))
+  return path, n, sampling.inverse_cdf(p_cur, u_draw)
+
+
+def tree_uniforms(keys: Key[Array, "B"], N: int) -> Tuple[Float[Array, "B N"], Float[Array, "B"]]:
+  """One acceptance uniform per node and one draw uniform per row (the streams
+  of `chain_uniforms`)."""
+  return chain_uniforms(keys, N)
+
+
+def tree_accept(keys: Key[Array, "B"], tokens, parent, q, p, num_nodes):
+  """`tree_accept_with_uniforms` with the uniforms of each row's key."""
+  u_accept, u_draw = tree_uniforms(keys, tokens.shape[1])
+  return tree_accept_with_uniforms(u_accept, u_draw, tokens, parent, q, p, num_nodes)
+
+
+def tree_greedy_accept(
+    tokens: Int[Array, "B N"],
+    parent: Int[Array, "B N"],
+    target_logits: Float[Array, "B N+1 V"],
+    num_nodes: Int[Array, "B"],
+) -> Tuple[Int[Array, "B N"], Int[Array, "B"], Int[Array, "B"]]:
+  """Greedy tree verification: from the root, move to the child whose token is
+  the target's argmax there (the first such child in node order), until none
+  is; the next token is the argmax at the last accepted node. The
+  temperature-0 limit of `tree_accept`. -> (path, num_accepted, next_token)."""
+  B, N, _ = _tree_shapes(tokens, parent, target_logits, 1, "target_logits")
+  num_nodes = jnp.clip(jnp.asarray(num_nodes, jnp.int32), 0, N)
+  best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # (B, N + 1)
+  rows = jnp.arange(B)
+  tokens = tokens.astype(jnp.int32)
+
+  def step(carry, j):
+    cur, n, path = carry
+    keep = (parent[:, j] == cur) & (j < num_nodes) & (tokens[:, j] == best[rows, cur + 1])
+    path = path.at[rows, jnp.where(keep, n, N)].set(j, mode="drop")
+    return (jnp.where(keep, j, cur), n + keep.astype(jnp.int32), path), None
+
+  init = (jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), jnp.int32),
+          jnp.full((B, N), -1, jnp.int32))
+  (cur, n, path), _ = jax.lax.scan(step, init, jnp.arange(N))
+  return path, n, best[rows, cur + 1]
+
+
+def without_replacement(q_parent: Float[Array, "... V"], tokens: Int[Array, "... M"]
+                        ) -> Float[Array, "... M V"]:
+  """The q of each of M siblings drawn in order WITHOUT replacement from
+  q_parent: sibling i's distribution is q_parent with siblings 0..i-1 zeroed
+  and renormalised (zeros where nothing is left)."""
+  m = tokens.shape[-1]
+  v = q_parent.shape[-1]
+  seen = jax.nn.one_hot(tokens, v, dtype=q_parent.dtype)  # (..., M, V)
+  before = jnp.cumsum(seen, axis=-2) - seen  # siblings strictly before i
+  qi = q_parent[..., None, :] * (before == 0)
+  total = jnp.sum(qi, axis=-1, keepdims=True)
+  del m
+  return jnp.where(total > 0, qi / jnp.maximum(total, 1e-30), 0.0)

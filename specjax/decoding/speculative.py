@@ -205,9 +205,24 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
   else:
     p = sampling_lib.probs(logits, spec.sampling)
     n_acc, nxt = verify.chain_accept(accept_keys, proposal.tokens, proposal.q, p, num_proposed)
+  evaluated = jnp.minimum(n_acc + 1, num_proposed)
+  return commit_round(cfg, drafter, draft_params, state, dstate, cache, proposal.tokens, n_acc,
+                      nxt, hidden, evaluated, narrow)
+
+
+def commit_round(cfg: ModelConfig, drafter: Drafter, draft_params, state: SpecState, dstate,
+                 cache, path_tokens, n_acc, nxt, hidden, evaluated, narrow) -> SpecState:
+  """The end of a round, chain or tree: emit the n_acc accepted tokens
+  `path_tokens[:, :n_acc]` and `nxt`, cut at EOS and the token limit; set
+  the target cache's fill level (its entries of the accepted tokens must sit
+  in slots length - 1 + 1 .. already); bring the drafter to the committed
+  state (`hidden` (B, K + 1, .): the verify features of the root and the
+  accepted path); count metrics (`evaluated`: guesses evaluated per row)."""
+  k = drafter.k
+  active = ~state.done
   # The emitted block: accepted guesses then the next token, cut at EOS / limit.
   j = jnp.arange(k + 1)[None]
-  block = jnp.where(j < n_acc[:, None], jnp.pad(proposal.tokens, ((0, 0), (0, 1))),
+  block = jnp.where(j < n_acc[:, None], jnp.pad(path_tokens, ((0, 0), (0, 1))),
                     nxt[:, None])
   block = jnp.where(j <= n_acc[:, None], block, cfg.pad_id)
   n_emit = _cut(block, n_acc + 1, state.limit - state.num_tokens, cfg.eos_id)
@@ -227,7 +242,7 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
   # Metrics (only what was emitted counts).
   m = state.metrics
   kept_guesses = jnp.minimum(n_acc, n_emit)
-  evaluated = jnp.minimum(jnp.minimum(n_acc + 1, num_proposed), n_emit)
+  evaluated = jnp.minimum(evaluated, n_emit)
   act = active.astype(jnp.int32)
   pos = jnp.arange(k)[None]
   metrics = Metrics(
@@ -250,7 +265,12 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
 def decode(params, cfg: ModelConfig, drafter: Drafter, draft_params, state: SpecState, *,
            spec: SpecConfig) -> SpecState:
   """Rounds on device until every row is done."""
-  body = functools.partial(spec_round, params, cfg, drafter, draft_params, spec)
+  if getattr(drafter, "tree", False):
+    from specjax.decoding import tree as tree_lib  # pylint: disable=import-outside-toplevel
+    round_fn = tree_lib.tree_round
+  else:
+    round_fn = spec_round
+  body = functools.partial(round_fn, params, cfg, drafter, draft_params, spec)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 

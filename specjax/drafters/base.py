@@ -143,6 +143,10 @@ class Drafter:
   shares_target_cache = False
   # Whether proposals are deterministic given the history (one-hot q).
   deterministic = False
+  # Whether `propose` returns a tree (`specjax.decoding.tree.TreeProposal`,
+  # verified by `tree.tree_round`); k is then the tree's depth and `block`
+  # its node count + 1.
+  tree = False
   name = "drafter"
   # Whether `init` needs the target's prefill hidden states (`hidden=`, the
   # layers `layers_for` names): feature-level drafters (EAGLE).

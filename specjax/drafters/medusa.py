@@ -121,3 +121,135 @@ class Blockwise(Medusa):
   def _guesses(self, logits, keys):
     x = jnp.argmax(logits, -1).astype(jnp.int32)
     return x, one_hot_q(x, logits.shape[-1])
+
+
+# ---- trees ------------------------------------------------------------------
+
+TREE_MODES = ("wor", "iid", "topk")
+
+
+def tree_from_accuracies(acc, budget: int) -> tuple:
+  """Medusa's sparse tree (Cai et al., Section 2.3.3): `acc[h][r]` is the
+  probability that head h's rank-r token is the right one; a node (r_1 ..
+  r_d) is accepted with probability prod_i acc[i][r_i] and contributes that
+  much to the expected accepted length, so the best tree of `budget` nodes
+  takes the `budget` most probable nodes (parents are always at least as
+  probable as their children, so the set is a tree). -> choices, sorted."""
+  import heapq  # pylint: disable=import-outside-toplevel
+  depth, ranks = len(acc), len(acc[0])
+  heap = [(-float(acc[0][r]), (r,)) for r in range(ranks)]
+  heapq.heapify(heap)
+  chosen = []
+  while heap and len(chosen) < budget:
+    neg, node = heapq.heappop(heap)
+    chosen.append(node)
+    if len(node) < depth:
+      for r in range(ranks):
+        heapq.heappush(heap, (neg * float(acc[len(node)][r]), node + (r,)))
+  return tuple(sorted(chosen, key=lambda c: (len(c), c)))
+
+
+def geometric_accuracies(top1, ranks: int):
+  """A rank model from per-head top-1 accuracies: rank r is right with
+  probability top1 * (1 - top1)^r (each rank missing independently)."""
+  return [[float(a) * (1.0 - float(a)) ** r for r in range(ranks)] for a in top1]
+
+
+def tree_structure(choices) -> tuple:
+  """Static structure of a choice tree -> (parents, depths, ranks) in node
+  order (by depth, then by rank path: topological, siblings by rank)."""
+  choices = tuple(tuple(int(r) for r in c) for c in choices)
+  if not choices or any(len(c) == 0 for c in choices):
+    raise ValueError("a tree needs at least one node, each a non-empty tuple of ranks")
+  order = sorted(set(choices), key=lambda c: (len(c), c))
+  if len(order) != len(choices):
+    raise ValueError("tree choices repeat a node")
+  index = {c: i for i, c in enumerate(order)}
+  parents = []
+  for c in order:
+    if len(c) > 1 and c[:-1] not in index:
+      raise ValueError(f"tree node {c} has no parent {c[:-1]} in the choices")
+    if min(c) < 0:
+      raise ValueError(f"tree node {c}: ranks must be >= 0")
+    parents.append(index[c[:-1]] if len(c) > 1 else -1)
+  return tuple(parents), tuple(len(c) for c in order), tuple(c[-1] for c in order), tuple(order)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaTree(Medusa):
+  """Medusa heads drafting a static tree (`choices`: rank paths, e.g.
+  ((0,), (1,), (0, 0)) = the top-2 of head 0 and the top-1 of head 1 under the
+  first). The tokens of depth d come from head d - 1:
+
+  * greedy target: the head's top-r tokens (rank r);
+  * sampling, mode "wor" (default, exact): a Gumbel-top-k draw from q, i.e.
+    sampling without replacement, rank r the r-th draw; node q = q with the
+    earlier ranks removed and renormalised;
+  * "iid" (exact, SpecInfer): independent draws from q for each rank;
+  * "topk": the head's top-r tokens as deterministic candidates (one-hot q).
+
+  One draw per depth is shared by every parent at that depth: a path visits
+  one node per depth, so each node's children are still a draw from q in
+  order, independent of what decided the path.
+  """
+
+  choices: tuple = ((0,),)
+  mode: str = "wor"
+  tree = True
+  name = "medusa_tree"
+
+  def __post_init__(self):
+    super().__post_init__()
+    parents, deps, ranks, order = tree_structure(self.choices)
+    object.__setattr__(self, "choices", order)
+    if self.k != max(deps):
+      raise ValueError(f"{self.name}: k ({self.k}) must equal the tree's depth ({max(deps)})")
+    if self.mode not in TREE_MODES:
+      raise ValueError(f"{self.name}: mode must be one of {TREE_MODES}, got {self.mode!r}")
+
+  @property
+  def num_nodes(self) -> int:
+    return len(self.choices)
+
+  @property
+  def block(self) -> int:
+    return self.num_nodes + 1
+
+  def _structure(self):
+    return tree_structure(self.choices)
+
+  def propose(self, params, target, state, ctx, target_cache, keys):
+    parents, deps, ranks, _ = self._structure()
+    n = len(parents)
+    b = state.feature.shape[0]
+    logits = head_logits(params, target.params, target.cfg, state.feature, self.k)  # (B, D, V)
+    v = logits.shape[-1]
+    width = max(ranks) + 1
+    q = sampling_lib.probs(logits, self.sampling)  # (B, D, V)
+    if self.sampling.greedy or self.mode == "topk":
+      _, top = jax.lax.top_k(logits, width)  # (B, D, R)
+      tok_dr = top.astype(jnp.int32)
+      q_dr = one_hot_q(tok_dr, v)
+    elif self.mode == "wor":
+      sub = jax.vmap(lambda kk: jax.vmap(lambda i: jax.random.fold_in(kk, i))(
+          jnp.arange(self.k)))(keys)  # (B, D)
+      g = jax.vmap(jax.vmap(lambda kk: jax.random.gumbel(kk, (v,), jnp.float32)))(sub)
+      score = jnp.where(q > 0, jnp.log(jnp.maximum(q, 1e-38)) + g, -jnp.inf)
+      _, tok_dr = jax.lax.top_k(score, width)
+      tok_dr = tok_dr.astype(jnp.int32)
+      from specjax import verify  # pylint: disable=import-outside-toplevel
+      q_dr = verify.without_replacement(q, tok_dr)  # (B, D, R, V)
+    else:  # iid
+      sub = jax.vmap(lambda kk: jax.vmap(lambda i: jax.random.fold_in(kk, i))(
+          jnp.arange(self.k * width)))(keys).reshape(b, self.k, width)
+      tok_dr = jax.vmap(jax.vmap(jax.vmap(sampling_lib.sample_from_probs, in_axes=(0, None))))(
+          sub, q).astype(jnp.int32)
+      q_dr = jnp.broadcast_to(q[:, :, None], (b, self.k, width, v))
+    d_idx = jnp.asarray([d - 1 for d in deps])
+    r_idx = jnp.asarray(ranks)
+    tokens = tok_dr[:, d_idx, r_idx]  # (B, N)
+    qn = q_dr[:, d_idx, r_idx]  # (B, N, V)
+    from specjax.decoding.tree import TreeProposal  # pylint: disable=import-outside-toplevel
+    num = jnp.where(state.valid & ctx.active, n, 0).astype(jnp.int32)
+    parent = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
+    return TreeProposal(tokens=tokens, parent=parent, q=qn, num_nodes=num), state, target_cache
