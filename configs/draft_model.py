@@ -5,8 +5,8 @@
   python experiments/train.py --config=configs/draft_model.py:tiny   # seconds, tests
 
 The student has the target's width and tokenizer and `draft_layers` decoder
-layers initialised from the target's `init_layers` (default: the first
-draft_layers - 1 and the last); its embedding and LM head are the target's,
+layers initialised from the target's `init_layers` (default: its first
+draft_layers); its embedding and LM head are the target's,
 frozen and referenced by the checkpoint. Trained on the same self-distillation
 data as the heads (`data_path`, + `reference_examples` of the datasets' own
 answers) with `loss` = kl | tv | kl+tv against the target's T = 1
@@ -23,9 +23,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config(arg=None):
-  c = base_config("draft_model", steps=1000, warmup=50, lr=3e-4, eval_every=250)
+  c = base_config("draft_model", steps=1000, warmup=50, lr=5e-4, eval_every=250)
   c.draft_layers = 4
-  c.init_layers = ""  # '' = default_init_layers; else e.g. '0,1,2,29'
+  c.init_layers = ""  # '' = the target's first draft_layers layers; else e.g. '0,1,2,29'
   c.loss = "kl"
   c.draft_vocab = 8192  # 0: the full vocabulary; else the N most frequent answer tokens
   c.batch_seqs = 4

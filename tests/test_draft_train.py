@@ -56,7 +56,7 @@ def test_divergences_on_hand_made_distributions():
 
 
 def test_init_layer_choice():
-  assert draft_train.default_init_layers(30, 4) == (0, 1, 2, 29)
+  assert draft_train.default_init_layers(30, 4) == (0, 1, 2, 3)
   assert draft_train.parse_init_layers("3,7", 30, 2) == (3, 7)
   with pytest.raises(ValueError, match="names 1 layers; the draft model has 2"):
     draft_train.parse_init_layers("3", 30, 2)

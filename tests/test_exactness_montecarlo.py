@@ -26,7 +26,7 @@ from specjax.decoding import speculative as sp
 from specjax.drafters.draft_model import DraftModel, with_draft_vocab
 from specjax.drafters.eagle import Eagle, init_head, prepare
 from specjax.drafters.layer_skip import LayerSkip
-from specjax.drafters.medusa import Blockwise, Medusa
+from specjax.drafters.medusa import Blockwise, Medusa, MedusaTree
 from specjax.drafters.prompt_lookup import PromptLookup
 
 V = 8
@@ -48,6 +48,8 @@ T07 = sampling_lib.SamplingConfig(temperature=0.7)
 TOPK = sampling_lib.SamplingConfig(temperature=1.0, top_k=4)
 TOPP = sampling_lib.SamplingConfig(temperature=1.0, top_p=0.9)
 
+TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
+
 # (name, drafter, target sampling, prompts): every drafter, every sampling mode,
 # k in {1, 3, 5} and B in {1, 4} each at least once. The draft model samples at
 # T = 1 while the target uses other settings: exactness holds for any q.
@@ -67,6 +69,13 @@ SETTINGS = [
     # tokens, so the residual carries all of their mass.
     ("eagle-T1-k3-B4", Eagle(k=3, sampling=T07), T1, PROMPTS4),
     ("eagle3-reduced-topk-k2-B1", Eagle(k=2, sampling=T1, fused=True), TOPK, PROMPTS1),
+    # Medusa trees (one verify forward over the tree, accepted path committed):
+    # siblings without replacement (Gumbel-top-k), i.i.d. (SpecInfer), and
+    # the heads' top-k as deterministic candidates (one-hot q).
+    ("medusa_tree-wor-T1-B4", MedusaTree(k=2, choices=TREE, sampling=T07), T1, PROMPTS4),
+    ("medusa_tree-iid-topp-B1", MedusaTree(k=2, choices=TREE, mode="iid", sampling=T1), TOPP,
+     PROMPTS1),
+    ("medusa_tree-topk-T0.7-B1", MedusaTree(k=2, choices=TREE, mode="topk"), T07, PROMPTS1),
 ]
 
 
@@ -181,7 +190,9 @@ def run_pit(models, drafter, sampling, spec=None, seed=2):
     (DraftModel(k=3, cfg=DCFG, sampling=T1), T07),
     (Medusa(k=3, sampling=T1), T07),
     (Eagle(k=3, sampling=T1, fused=True), T07),
-], ids=["layer_skip-k5-topk", "draft_model-k3-T0.7", "medusa-k3-T0.7", "eagle3-reduced-k3-T0.7"])
+    (MedusaTree(k=2, choices=TREE, sampling=T1), T07),
+], ids=["layer_skip-k5-topk", "draft_model-k3-T0.7", "medusa-k3-T0.7", "eagle3-reduced-k3-T0.7",
+        "medusa_tree-wor-T0.7"])
 def test_long_horizon_pit_is_uniform(models, drafter, sampling):
   result, stats = run_pit(models, drafter, sampling)
   acc = np.asarray(stats["per_position_acceptance"])

@@ -66,6 +66,7 @@ def _drafters(model, reference):
   return [
       registry.make_drafter("medusa", {"k": 3}, model),  # the shipped heads
       registry.make_drafter("blockwise", {"k": 3}, model),
+      registry.make_drafter("medusa_tree", {"k": 3, "tree_nodes": 16}, model),  # tree verify
       registry.make_drafter("eagle", {"k": 3}, model),  # shipped, reduced vocabulary
       registry.make_drafter("eagle3", {"k": 3, "draft_vocab": "full"}, model),
       (PromptLookup(k=4), None),

@@ -311,7 +311,8 @@ def predict(stats: dict, calib: dict) -> dict:
   rounds, emitted = stats["rounds"], stats["emitted"]
   narrow = stats.get("narrow_rounds", 0)
   k = calib["k"]
-  t1, tk, td = calib["t_verify"][1], calib["t_verify"][k + 1], calib["t_draft"]
+  width = calib.get("verify_width", k + 1)  # N + 1 for a tree of N nodes
+  t1, tk, td = calib["t_verify"][1], calib["t_verify"][width], calib["t_draft"]
   if not rounds:
     return {"predicted_speedup": None, "theorem_3_8": None, "draft_frac": None}
   cost = rounds * td + narrow * t1 + (rounds - narrow) * tk
@@ -349,7 +350,8 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
               else {"predicted_speedup": None, "theorem_3_8": None, "draft_frac": None})
       hists = [r["stats"]["accept_hist"] for r in rs if r["stats"].get("accept_hist")]
       pred.update(best_k=None, best_k_predicted=None)
-      if hists and calibration and m in calibration and not st["narrow_rounds"]:
+      tree = calibration and m in calibration and calibration[m].get("tree")
+      if hists and calibration and m in calibration and not st["narrow_rounds"] and not tree:
         cal = calibration[m]
         hist = np.sum(np.asarray(hists, np.int64), axis=0)
         kb, sb, _ = theory.best_chain_length(hist, cal["k"], cal["t_verify"], cal["t_draft"])
@@ -490,13 +492,14 @@ def calibrate(model: Model, c, methods: Sequence[str], unit, sampling) -> dict:
                                              reference_width=int(c.max_new_tokens))
     k = drafter.k
     # widths 1, 2, the middle and k + 1: shorter chains are priced from this curve
-    # (linear between the measured widths)
-    ns = tuple(sorted({1, 2, (k + 2) // 2 + (k == 1), k + 1}))
+    # (linear between the measured widths); a tree's verify width is its node count + 1
+    width = drafter.verify_width
+    ns = tuple(sorted({1, 2, (k + 2) // 2 + (k == 1), k + 1, width}))
     curve = calibration_lib.forward_cost_curve(model.params, model.cfg, ns=ns, fill=fill)
     t_draft = calibration_lib.draft_cost(model.params, model.cfg, drafter, dparams, prompt,
                                          sampling=sampling)
     out[m] = {"k": k, "t_verify": {int(n): t for n, t in curve.items()}, "t_draft": t_draft,
-              "fill": fill}
+              "fill": fill, "verify_width": width, "tree": bool(drafter.tree)}
   return out
 
 

@@ -49,6 +49,10 @@ class TreeProposal:
   q: jax.Array  # (B, N, V) float32: node j was drawn from q[:, j]
   num_nodes: jax.Array  # (B,) int32
 
+  @property
+  def num_proposed(self) -> jax.Array:
+    return self.num_nodes
+
 
 def ancestor_mask(parent: jax.Array) -> jax.Array:
   """(B, N) parents -> (B, N + 1, N + 1) bool over [root, nodes]: entry [i, j]

@@ -163,6 +163,11 @@ class Drafter:
     return self.k + 1
 
   @property
+  def verify_width(self) -> int:
+    """Tokens the verify forward feeds: k + 1 for a chain, N + 1 for a tree of N nodes."""
+    return self.block if self.tree else self.k + 1
+
+  @property
   def vocab_size(self) -> Optional[int]:
     """The drafter's vocabulary size, if it has one (checked against the target)."""
     return None

@@ -26,6 +26,11 @@ None fields take the defaults below); it is typically the run's ConfigDict:
   eagle, eagle3  k, checkpoint (default: the shipped head), draft_vocab (default:
                  the checkpoint's own draft vocabulary; 'full' for the whole
                  vocabulary; N for the N most frequent tokens of its training data)
+  medusa_tree    the medusa heads drafting a static sparse tree of depth k with
+                 tree_nodes nodes (Medusa's construction from the heads' top-1
+                 accuracies on the checkpoint card, ranks modelled
+                 geometrically); tree_mode 'wor' (siblings without
+                 replacement, default), 'iid' or 'topk' (deterministic); all exact
   lookahead      k and the fields `specjax.drafters.lookahead.Lookahead` declares
                  (available once that module exists)
 
@@ -55,13 +60,13 @@ from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.replay import AlwaysReject, Replay, ReplayParams
 
 BUILTIN = ("prompt_lookup", "layer_skip", "draft_model", "replay", "always_reject", "medusa",
-           "blockwise", "eagle", "eagle3")
+           "blockwise", "eagle", "eagle3", "medusa_tree")
 # Trained drafters shipped with the package: checkpoints/<target>/<kind>.
 CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "checkpoints")
 SHIPPED_TARGET = "smollm2-135m"
 _CHECKPOINT_KIND = {"medusa": "medusa", "blockwise": "medusa", "eagle": "eagle",
-                    "eagle3": "eagle3"}
+                    "eagle3": "eagle3", "medusa_tree": "medusa"}
 LOOKAHEAD_MODULE = "specjax.drafters.lookahead"
 
 
@@ -76,6 +81,9 @@ def add_config_fields(c) -> None:
   c.draft_model = ml_collections.config_dict.placeholder(str)  # draft_model, e.g. 'self:10'
   c.checkpoint = ml_collections.config_dict.placeholder(str)  # trained drafters (medusa, ...)
   c.draft_vocab = ml_collections.config_dict.placeholder(str)  # eagle(3): 'full' or N tokens
+  # trees (medusa_tree, ...): node budget, sibling draws (wor / iid / topk)
+  c.tree_nodes = 16
+  c.tree_mode = "wor"
 
 
 def apply_variants(c, arg, config_name: str) -> None:
@@ -257,6 +265,13 @@ def _trained(method: str, config, target_model):
   return params
 
 
+def medusa_tree_choices(top1, nodes: int) -> tuple:
+  """Medusa's sparse tree of `nodes` nodes from per-head top-1 accuracies
+  (ranks modelled geometrically; at most `nodes` ranks per head)."""
+  from specjax.drafters.medusa import geometric_accuracies, tree_from_accuracies  # pylint: disable=import-outside-toplevel
+  return tree_from_accuracies(geometric_accuracies(top1, max(1, min(nodes, 16))), nodes)
+
+
 def _lookahead(config, k: int):
   try:
     module = importlib.import_module(LOOKAHEAD_MODULE)
@@ -316,6 +331,23 @@ def make_drafter(method: str, config, target_model, *, reference=None,
     drafter = eagle.Eagle(k=k, sampling=sampling, fused=method == "eagle3")
     drafter.check(cfg, params)
     return drafter, eagle.prepare(params, target_model.params, cfg)
+  if method == "medusa_tree":
+    from specjax.drafters.medusa import MedusaTree  # pylint: disable=import-outside-toplevel
+    from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+    path = _field(config, "checkpoint") or shipped_checkpoint("medusa")
+    params, card = checkpoints.load_drafter(path, target_model.params, cfg, method="medusa")
+    heads = int(params["w"].shape[0])
+    if k > heads:
+      raise ValueError(f"medusa_tree: depth k={k} needs {k} heads, the checkpoint has {heads}")
+    top1 = [card.get("estimated", {}).get(f"top1_{i}", 0.5 ** (i + 1)) for i in range(k)]
+    nodes = int(_field(config, "tree_nodes", 16))
+    if nodes < 1:
+      raise ValueError(f"tree_nodes must be >= 1, got {nodes}")
+    choices = medusa_tree_choices(top1, nodes)
+    drafter = MedusaTree(k=max(len(c) for c in choices), choices=choices, sampling=sampling,
+                         mode=str(_field(config, "tree_mode", "wor")))
+    drafter.check(cfg, params)
+    return drafter, params
   if method in _CHECKPOINT_KIND:
     params = _trained(method, config, target_model)
     cls = Medusa if method == "medusa" else Blockwise

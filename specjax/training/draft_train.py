@@ -2,7 +2,7 @@
 
 The student is a Llama-family model with the target's tokenizer, width and
 heads but few layers: its decoder layers start as copies of some of the
-target's (`init_layers`, e.g. the first ones and the last), its embedding and
+target's (`init_layers`, by default its lowest ones), its embedding and
 tied LM head are the target's own, frozen and referenced (not copied) by the
 checkpoint. Only its layers and final norm train.
 
@@ -49,10 +49,12 @@ LOSSES = ("kl", "tv", "kl+tv")
 
 
 def default_init_layers(target_layers: int, num_layers: int) -> tuple:
-  """The first num_layers - 1 of the target's layers and its last one."""
+  """The target's first num_layers layers. (Measured on SmolLM2, 4 layers,
+  teacher-forced top-1 agreement with the target before training: first four
+  0.036; the first three + the last, or evenly spread layers, 0.000.)"""
   if not 1 <= num_layers <= target_layers:
     raise ValueError(f"a draft model needs 1..{target_layers} layers, got {num_layers}")
-  return tuple(range(num_layers - 1)) + (target_layers - 1,)
+  return tuple(range(num_layers))
 
 
 def parse_init_layers(spec, target_layers: int, num_layers: int) -> tuple:
