@@ -24,7 +24,7 @@ from specjax.analysis import montecarlo as mc
 from specjax.decoding import batch as batch_lib
 from specjax.decoding import speculative as sp
 from specjax.drafters.draft_model import DraftModel, with_draft_vocab
-from specjax.drafters.eagle import Eagle, init_head, prepare
+from specjax.drafters.eagle import Eagle, EagleTree, init_head, prepare
 from specjax.drafters.layer_skip import LayerSkip
 from specjax.drafters.medusa import Blockwise, Medusa, MedusaTree
 from specjax.drafters.prompt_lookup import PromptLookup
@@ -76,6 +76,11 @@ SETTINGS = [
     ("medusa_tree-iid-topp-B1", MedusaTree(k=2, choices=TREE, mode="iid", sampling=T1), TOPP,
      PROMPTS1),
     ("medusa_tree-topk-T0.7-B1", MedusaTree(k=2, choices=TREE, mode="topk"), T07, PROMPTS1),
+    # EAGLE-2 dynamic trees: sampled children kept whole (wor), and EAGLE-3's
+    # deterministic top-k candidates reranked to a node budget (reduced vocabulary).
+    ("eagle_tree-wor-T1-B4", EagleTree(k=2, topk=3, width=2, sampling=T07), T1, PROMPTS4),
+    ("eagle3_tree-topk-T1-B1", EagleTree(k=2, topk=3, width=2, nodes=5, mode="topk",
+                                         fused=True, sampling=T1), T1, PROMPTS1),
 ]
 
 

@@ -69,6 +69,7 @@ def _drafters(model, reference):
       registry.make_drafter("medusa_tree", {"k": 3, "tree_nodes": 16}, model),  # tree verify
       registry.make_drafter("eagle", {"k": 3}, model),  # shipped, reduced vocabulary
       registry.make_drafter("eagle3", {"k": 3, "draft_vocab": "full"}, model),
+      registry.make_drafter("eagle3_tree", {"k": 3, "tree_nodes": 16}, model),
       (PromptLookup(k=4), None),
       (LayerSkip(k=3, layers=tuple(range(0, 30, 2))), None),
       (DraftModel(k=3, cfg=dcfg), dparams),

@@ -140,16 +140,20 @@ def layer_out(layer: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array) -> j
 
 def head_step(head: dict, target_params, cfg: ModelConfig, g: jax.Array, tokens: jax.Array,
               positions: jax.Array, cache: cache_lib.KVCache, *,
-              active: Optional[jax.Array] = None) -> Tuple[jax.Array, cache_lib.KVCache]:
+              active: Optional[jax.Array] = None,
+              allowed: Optional[jax.Array] = None) -> Tuple[jax.Array, cache_lib.KVCache]:
   """Feed T pairs (g (B, T, D), tokens (B, T)) at the cache's fill level.
-  Returns the head's outputs a (B, T, D) and the cache advanced by T."""
+  Returns the head's outputs a (B, T, D) and the cache advanced by T.
+  `allowed` (B, T, S): which slots each new pair attends to (default: the
+  prefix below the fill level and the new pairs causally; trees pass their own)."""
   x = pair_inputs(head, target_params, cfg, g, tokens)
   q, k, v = layer_qkv(head["layer"], cfg, x, positions)
   length = cache.length
   t = tokens.shape[1]
   new_k = _write(cache.k[0], k, length, active)
   new_v = _write(cache.v[0], v, length, active)
-  allowed = transformer.attention_mask(length, t, cache.num_slots)
+  if allowed is None:
+    allowed = transformer.attention_mask(length, t, cache.num_slots)
   attn = _attention(q, new_k, new_v, allowed, cfg)
   a = layer_out(head["layer"], cfg, x, attn)
   step = jnp.full(length.shape, t, jnp.int32)
@@ -302,12 +306,14 @@ class Eagle(Drafter):
     return EagleState(cache=cache, pending=pending, count=jnp.ones((b,), jnp.int32),
                       base=prompt_lengths - 1)
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def catch_up(self, params, target, state, ctx):
+    """Feed the pending pairs (true target features, committed tokens) ->
+    (cache filled to `base`, base, the head's output at the newest committed
+    position (B, D): the state that drafts the next token)."""
     cfg = target.cfg
-    w = self.k + 1
+    w = state.pending.shape[1]
     cache = state.cache
     m = cache.length
-    # Catch up: the pending pairs (true target features, committed tokens).
     idx = jnp.minimum(m[:, None] + 1 + jnp.arange(w)[None], ctx.history.shape[1] - 1)
     toks = jnp.take_along_axis(ctx.history, idx, axis=1)
     g = fuse(params, cfg, state.pending)
@@ -316,6 +322,11 @@ class Eagle(Drafter):
     base = jnp.where(ctx.active, m + state.count, m)
     cache = cache.with_length(base)
     a_last = jnp.take_along_axis(a, (state.count - 1)[:, None, None], axis=1)[:, 0]  # (B, D)
+    return cache, base, a_last
+
+  def propose(self, params, target, state, ctx, target_cache, keys):
+    cfg = target.cfg
+    cache, base, a_last = self.catch_up(params, target, state, ctx)
     lm_w = head_weights(params, target.params, cfg)
     first = draft_logits(params, target.params, cfg, a_last, lm_w)
 
@@ -345,3 +356,185 @@ class Eagle(Drafter):
         count=jnp.where(act, verify.num_accepted + 1, state.count),
         base=state.base)
 
+
+
+# ---- dynamic trees (EAGLE-2) ------------------------------------------------------
+
+EAGLE_TREE_MODES = ("wor", "topk")
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleTree(Eagle):
+  """EAGLE / EAGLE-3 head drafting a dynamic tree (EAGLE-2, Li et al. 2024,
+  arXiv:2406.16858) of depth k.
+
+  Depth 1: `topk` children of the root from the head's output at the newest
+  committed position. Each further depth expands the `width` nodes of the
+  previous depth with the highest cumulative confidence (the sum of the
+  head's log-probabilities along the path, at T = 1): their pairs (the
+  parent's head output, the node's token) go through the head in one step
+  with tree attention (committed entries + the node's expanded ancestors),
+  and each gets `topk` children. All candidates: topk + (k - 1) width topk.
+
+  * Greedy targets, and mode "topk" under sampling: children are the head's
+    top tokens (deterministic candidates, one-hot q); the candidates are
+    reranked by cumulative confidence to the `nodes` best (EAGLE-2's rerank;
+    a parent always ranks above its children).
+  * Mode "wor" (default under sampling, exact): children are a Gumbel-top-k
+    draw (without replacement) from the head's q under the target's sampling
+    settings, node q the without-replacement q. Every drawn child is kept --
+    a rerank would select children by their own values, which breaks
+    exactness -- so the tree has all topk + (k - 1) width topk candidates and
+    `nodes` is ignored. Choosing which nodes to expand by their confidence is
+    allowed: it decides a node's children before they are drawn.
+  """
+
+  topk: int = 4
+  width: int = 4
+  nodes: int = 16
+  mode: str = "wor"
+  tree = True
+  name = "eagle_tree"
+
+  def __post_init__(self):
+    super().__post_init__()
+    object.__setattr__(self, "name", "eagle3_tree" if self.fused else "eagle_tree")
+    if self.mode not in EAGLE_TREE_MODES:
+      raise ValueError(f"{self.name}: mode must be one of {EAGLE_TREE_MODES}, got {self.mode!r}")
+    if self.topk < 1 or self.width < 1 or not 1 <= self.width <= self.topk * (
+        1 if self.k == 1 else self.width * self.topk):
+      raise ValueError(f"{self.name}: need topk >= 1 and 1 <= width <= the nodes of a depth")
+    if self.width > self.topk:
+      raise ValueError(f"{self.name}: width ({self.width}) cannot exceed topk ({self.topk}): "
+                       "depth 1 has only topk nodes to expand")
+    if not self.deterministic_tree and self.nodes != self.candidates:
+      object.__setattr__(self, "nodes", self.candidates)
+    if not 1 <= self.nodes <= self.candidates:
+      raise ValueError(f"{self.name}: nodes must lie in [1, {self.candidates}] (the candidates "
+                       f"of topk={self.topk}, width={self.width}, depth {self.k})")
+
+  @property
+  def candidates(self) -> int:
+    return self.topk + (self.k - 1) * self.width * self.topk
+
+  @property
+  def deterministic_tree(self) -> bool:
+    return self.sampling.greedy or self.mode == "topk"
+
+  @property
+  def num_nodes(self) -> int:
+    return self.nodes
+
+  @property
+  def block(self) -> int:
+    # verify: nodes + 1; the head: its pending pairs (k + 1) + the fed frontier
+    return max(self.nodes + 1, self.k + 1 + (self.k - 1) * self.width + 1)
+
+  def _children(self, logits, q_sub, key, vocab, vocab_size):
+    """Children of P parents of one row: logits (P, Vd) -> tokens (P, K) ids,
+    q (P, K, V) (None for deterministic candidates), log-confidence (P, K)."""
+    kk = self.topk
+    logconf = jax.nn.log_softmax(logits, -1)
+    if self.deterministic_tree:
+      conf, j = jax.lax.top_k(logconf, kk)
+      q = None
+    else:
+      g = jax.random.gumbel(key, logits.shape, jnp.float32)  # one row: (P, Vd)
+      score = jnp.where(q_sub > 0, jnp.log(jnp.maximum(q_sub, 1e-38)) + g, -jnp.inf)
+      _, j = jax.lax.top_k(score, kk)
+      conf = jnp.take_along_axis(logconf, j, -1)
+      from specjax import verify as verify_lib  # pylint: disable=import-outside-toplevel
+      q = verify_lib.without_replacement(q_sub, j)  # (B, P, K, Vd)
+      if vocab is not None:
+        q = jnp.zeros(q.shape[:-1] + (vocab_size,), jnp.float32).at[..., vocab].set(q)
+    ids = j.astype(jnp.int32) if vocab is None else vocab[j]
+    return ids, q, conf
+
+  def propose(self, params, target, state, ctx, target_cache, keys):
+    from specjax.decoding.tree import TreeProposal  # pylint: disable=import-outside-toplevel
+    cfg = target.cfg
+    vsize = cfg.vocab_size
+    vocab = params.get("vocab")
+    b = ctx.length.shape[0]
+    kk, w, depth = self.topk, self.width, self.k
+    cache, base, a_last = self.catch_up(params, target, state, ctx)
+    lm_w = head_weights(params, target.params, cfg)
+    dkeys = jax.vmap(lambda key: jax.random.split(key, depth))(keys)  # (B, depth)
+
+    def draw(a, d):  # head outputs (B, P, D) -> children of those P parents
+      logits = draft_logits(params, target.params, cfg, a, lm_w)
+      q_sub = sampling_lib.probs(logits, self.sampling)
+      return jax.vmap(lambda lg, qs, k_: self._children(lg, qs, k_, vocab, vsize))(
+          logits, q_sub, dkeys[:, d])
+
+    tok, q, conf = draw(a_last[:, None], 0)  # (B, 1, K)
+    tokens = [tok.reshape(b, kk)]
+    qs = [None if q is None else q.reshape(b, kk, vsize)]
+    scores = [conf.reshape(b, kk)]
+    parents = [jnp.full((b, kk), -1, jnp.int32)]
+    a_of = [jnp.broadcast_to(a_last[:, None], (b, kk, a_last.shape[-1]))]  # parent's output
+    start = [0]  # node index of each depth's first node
+    n_fed = (depth - 1) * w
+    anc = jnp.zeros((b, max(n_fed, 1), max(n_fed, 1)), bool)  # among fed entries
+    entry_prev = None  # (B, W): fed entry of each frontier node of the last depth
+    slots = cache.num_slots
+    for d in range(1, depth):
+      # the frontier: the w most confident nodes of depth d
+      _, sel = jax.lax.top_k(scores[-1], w)  # (B, W) indices within depth d's block
+      f_tok = jnp.take_along_axis(tokens[-1], sel, 1)
+      f_a = jnp.take_along_axis(a_of[-1], sel[..., None], 1)
+      f_score = jnp.take_along_axis(scores[-1], sel, 1)
+      e0 = (d - 1) * w
+      eid = e0 + jnp.arange(w)
+      if d == 1:
+        rows = jax.nn.one_hot(eid, n_fed, dtype=bool)[None].repeat(b, 0)  # (B, W, E)
+      else:
+        par_local = jnp.take_along_axis(parents[-1], sel, 1) - start[-2]  # index in depth d-1
+        # the parent was fed iff it was in the previous frontier
+        par_entry = jnp.take_along_axis(entry_prev, jnp.clip(par_local, 0, entry_prev.shape[1] - 1),
+                                        1)
+        rows = (jnp.take_along_axis(anc, par_entry[..., None], 1)
+                | jax.nn.one_hot(eid, n_fed, dtype=bool)[None])
+      anc = anc.at[:, e0:e0 + w].set(rows)
+      # entries of the frontier of depth d, by node index within its block
+      nd = tokens[-1].shape[1]
+      entry_now = jnp.full((b, nd), -1, jnp.int32).at[jnp.arange(b)[:, None], sel].set(eid)
+      rel = jnp.arange(slots)[None, None, :] - base[:, None, None]
+      vis = jnp.take_along_axis(rows, jnp.clip(rel, 0, n_fed - 1).repeat(w, 1), 2)
+      allowed = (rel < 0) | ((rel >= 0) & (rel < e0 + w) & vis)
+      pos = jnp.broadcast_to((base + d - 1)[:, None], (b, w))
+      c = cache.with_length(base + e0)
+      a_new, _ = head_step(params, target.params, cfg, f_a, f_tok, pos, c, active=ctx.active,
+                           allowed=allowed)
+      cache = cache.replace(k=_.k, v=_.v)
+      tok, q, conf = draw(a_new, d)  # (B, W, K)
+      sel_nodes = start[-1] + sel  # global node index of each frontier node
+      tokens.append(tok.reshape(b, w * kk))
+      qs.append(None if q is None else q.reshape(b, w * kk, vsize))
+      scores.append((f_score[..., None] + conf).reshape(b, w * kk))
+      parents.append(jnp.repeat(sel_nodes, kk, axis=1).astype(jnp.int32))
+      a_of.append(jnp.repeat(a_new, kk, axis=1))
+      start.append(start[-1] + nd)
+      entry_prev = entry_now
+    tokens = jnp.concatenate(tokens, 1)
+    parent = jnp.concatenate(parents, 1)
+    score = jnp.concatenate(scores, 1)
+    total = tokens.shape[1]
+    if self.deterministic_tree:
+      q = jax.nn.one_hot(tokens, vsize, dtype=jnp.float32)
+    else:
+      q = jnp.concatenate(qs, 1)
+    if self.nodes < total:  # rerank (deterministic trees only): the most confident nodes
+      dep = jnp.concatenate([jnp.full((x.shape[1],), i + 1) for i, x in enumerate(scores)])
+      key_ = score - 1e-4 * dep[None]  # ties: parents first
+      _, keep = jax.lax.top_k(key_, self.nodes)
+      keep = jnp.sort(keep, axis=1)  # node order (topological, siblings in rank order)
+      new_index = jnp.cumsum(jnp.zeros((b, total), jnp.int32).at[
+          jnp.arange(b)[:, None], keep].set(1), axis=1) - 1
+      par = jnp.take_along_axis(parent, keep, 1)
+      parent = jnp.where(par < 0, -1, jnp.take_along_axis(new_index, jnp.maximum(par, 0), 1))
+      tokens = jnp.take_along_axis(tokens, keep, 1)
+      q = jnp.take_along_axis(q, keep[..., None], 1)
+    num = jnp.where(ctx.active, self.nodes, 0).astype(jnp.int32)
+    return (TreeProposal(tokens=tokens, parent=parent, q=q, num_nodes=num),
+            state.replace(cache=cache.with_length(base), base=base), target_cache)

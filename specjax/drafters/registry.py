@@ -31,6 +31,10 @@ None fields take the defaults below); it is typically the run's ConfigDict:
                  accuracies on the checkpoint card, ranks modelled
                  geometrically); tree_mode 'wor' (siblings without
                  replacement, default), 'iid' or 'topk' (deterministic); all exact
+  eagle_tree,    the eagle / eagle3 head drafting an EAGLE-2 dynamic tree of
+  eagle3_tree    depth k: tree_topk children per expanded node, tree_width
+                 nodes expanded per depth, reranked to tree_nodes (greedy or
+                 tree_mode 'topk'); tree_mode 'wor' keeps every sampled child
   lookahead      k and the fields `specjax.drafters.lookahead.Lookahead` declares
                  (available once that module exists)
 
@@ -60,13 +64,14 @@ from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.replay import AlwaysReject, Replay, ReplayParams
 
 BUILTIN = ("prompt_lookup", "layer_skip", "draft_model", "replay", "always_reject", "medusa",
-           "blockwise", "eagle", "eagle3", "medusa_tree")
+           "blockwise", "eagle", "eagle3", "medusa_tree", "eagle_tree", "eagle3_tree")
 # Trained drafters shipped with the package: checkpoints/<target>/<kind>.
 CHECKPOINT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               "checkpoints")
 SHIPPED_TARGET = "smollm2-135m"
 _CHECKPOINT_KIND = {"medusa": "medusa", "blockwise": "medusa", "eagle": "eagle",
-                    "eagle3": "eagle3", "medusa_tree": "medusa"}
+                    "eagle3": "eagle3", "medusa_tree": "medusa", "eagle_tree": "eagle",
+                    "eagle3_tree": "eagle3"}
 LOOKAHEAD_MODULE = "specjax.drafters.lookahead"
 
 
@@ -84,6 +89,8 @@ def add_config_fields(c) -> None:
   # trees (medusa_tree, ...): node budget, sibling draws (wor / iid / topk)
   c.tree_nodes = 16
   c.tree_mode = "wor"
+  c.tree_topk = 4  # eagle(3)_tree: children per expanded node
+  c.tree_width = 4  # eagle(3)_tree: nodes expanded per depth
 
 
 def apply_variants(c, arg, config_name: str) -> None:
@@ -250,7 +257,7 @@ def drafter_id(method: str, config, target_model=None) -> Optional[str]:
   if method not in _CHECKPOINT_KIND:
     return None
   path = _relative(_field(config, "checkpoint") or shipped_checkpoint(_CHECKPOINT_KIND[method]))
-  vocab = vocab if method in ("eagle", "eagle3") else None
+  vocab = vocab if method.startswith("eagle") else None
   return path + (f" (draft_vocab={vocab})" if vocab else "")
 
 
@@ -324,11 +331,19 @@ def make_drafter(method: str, config, target_model, *, reference=None,
     return drafter, reference_params(reference, reference_width, cfg.pad_id)
   if method == "always_reject":
     return AlwaysReject(k=k), None
-  if method in ("eagle", "eagle3"):
+  if method in ("eagle", "eagle3", "eagle_tree", "eagle3_tree"):
     from specjax.drafters import eagle  # pylint: disable=import-outside-toplevel
     params = _trained(method, config, target_model)
     params = eagle.with_draft_vocab(params, _field(config, "draft_vocab"), cfg)
-    drafter = eagle.Eagle(k=k, sampling=sampling, fused=method == "eagle3")
+    fused = method.startswith("eagle3")
+    if method.endswith("_tree"):
+      drafter = eagle.EagleTree(k=k, sampling=sampling, fused=fused,
+                                topk=int(_field(config, "tree_topk", 4)),
+                                width=int(_field(config, "tree_width", 4)),
+                                nodes=int(_field(config, "tree_nodes", 16)),
+                                mode=str(_field(config, "tree_mode", "wor")))
+    else:
+      drafter = eagle.Eagle(k=k, sampling=sampling, fused=fused)
     drafter.check(cfg, params)
     return drafter, eagle.prepare(params, target_model.params, cfg)
   if method == "medusa_tree":
