@@ -232,3 +232,40 @@ def test_greedy_medusa_tree_equals_ar_and_accepts_more_than_the_chain():
   chain = sp.generate(PARAMS, CFG, Medusa(k=3), prompts, draft_params=HEADS, max_new_tokens=30)
   assert chain.tokens == ref
   assert tree.stats["accepted"] >= chain.stats["accepted"], (tree.stats, chain.stats)
+
+
+def _eagle_head(fused, seed=9):
+  from specjax.drafters.eagle import init_head, prepare  # pylint: disable=import-outside-toplevel
+  head = init_head(jax.random.PRNGKey(seed), CFG, fused=fused,
+                   vocab=jnp.arange(0, CFG.vocab_size, 2) if fused else None)
+  head["fc"] = 0.5 * jax.random.normal(jax.random.PRNGKey(seed + 1),
+                                       (CFG.dim, 2 * CFG.dim)) / np.sqrt(2 * CFG.dim)
+  return prepare(head, PARAMS, CFG)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eagle", "eagle3-reduced"])
+def test_greedy_eagle_tree_equals_ar(fused):
+  from specjax.drafters.eagle import Eagle, EagleTree  # pylint: disable=import-outside-toplevel
+  head = _eagle_head(fused)
+  prompts = [[5, 9, 3, 17, 4], [8, 8, 30], [2]]
+  ref = ar.generate(PARAMS, CFG, prompts, max_new_tokens=24).tokens
+  tree = sp.generate(PARAMS, CFG, EagleTree(k=3, topk=3, width=2, nodes=8, fused=fused),
+                     prompts, draft_params=head, max_new_tokens=24)
+  chain = sp.generate(PARAMS, CFG, Eagle(k=3, fused=fused), prompts, draft_params=head,
+                      max_new_tokens=24)
+  assert tree.tokens == ref and chain.tokens == ref
+  assert tree.stats["accepted"] >= chain.stats["accepted"], (tree.stats, chain.stats)
+
+
+def test_eagle_tree_settings_are_checked():
+  from specjax.drafters.eagle import EagleTree  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="cannot exceed topk"):
+    EagleTree(k=2, topk=2, width=3)
+  with pytest.raises(ValueError, match="mode must be one of"):
+    EagleTree(k=2, mode="fixed")
+  with pytest.raises(ValueError, match="nodes must lie in"):
+    EagleTree(k=2, topk=2, width=1, nodes=9)
+  # the exact sampled mode keeps every candidate: topk + (k - 1) width topk
+  sampled = EagleTree(k=3, topk=3, width=2, nodes=5, sampling=sampling_lib.SamplingConfig(1.0))
+  assert sampled.num_nodes == 3 + 2 * 2 * 3
+  assert EagleTree(k=3, topk=3, width=2, nodes=5).num_nodes == 5  # greedy: reranked
