@@ -65,9 +65,54 @@ class SeqPool:
   def num_positions(self) -> int:
     return int(sum(max(len(t) - max(p - 1, 0) - 1, 0) for t, p in zip(self.tokens, self.plen)))
 
+  def save(self, path: str) -> None:
+    """One .npz (concatenated arrays + offsets), written atomically."""
+    import os  # pylint: disable=import-outside-toplevel
+    lens = np.asarray([len(t) for t in self.tokens], np.int64)
+    arrays = {"lens": lens, "plen": np.asarray(self.plen, np.int64),
+              "tokens": np.concatenate(self.tokens) if self.tokens else np.zeros(0, np.int32),
+              "final": (np.concatenate(self.final) if self.final
+                        else np.zeros((0, 1), np.float32))}
+    if self.taps and self.taps[0] is not None:
+      arrays["taps"] = np.concatenate(self.taps)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
+
+  @classmethod
+  def load(cls, path: str) -> "SeqPool":
+    with np.load(path) as z:
+      lens, cuts = z["lens"], np.cumsum(z["lens"])[:-1]
+      tokens = np.split(z["tokens"], cuts)
+      final = np.split(z["final"], cuts)
+      taps = np.split(z["taps"], cuts) if "taps" in z.files else [None] * len(lens)
+      return cls(tokens, final, taps, [int(x) for x in z["plen"]])
+
   @classmethod
   def build(cls, params, cfg, sequences: Sequence[Tuple[List[int], int]], *, seq_len: int,
-            taps: Tuple[int, ...] = (), batch_size: int = 4, progress=None) -> "SeqPool":
+            taps: Tuple[int, ...] = (), batch_size: int = 4, progress=None,
+            cache_dir: Optional[str] = None) -> "SeqPool":
+    """The target's features of `sequences`. With `cache_dir`, a pool computed
+    before for the same target (fingerprint), sequences, seq_len and taps is
+    loaded from there instead (features cost ~3 training steps per batch;
+    every run over the same data reuses them)."""
+    if cache_dir:
+      import hashlib, json, os  # pylint: disable=import-outside-toplevel,multiple-imports
+      from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+      h = hashlib.sha1(json.dumps([checkpoints.target_fingerprint(params, cfg), cfg.dtype,
+                                   seq_len, list(taps)]).encode())
+      for ids, plen in sequences:
+        h.update(np.asarray(list(ids) + [-1, plen, -2], np.int64).tobytes())
+      path = os.path.join(cache_dir, f"features-{h.hexdigest()[:20]}.npz")
+      if os.path.exists(path):
+        if progress:
+          progress(f"features: loaded {path}")
+        return cls.load(path)
+      pool = cls.build(params, cfg, sequences, seq_len=seq_len, taps=taps,
+                       batch_size=batch_size, progress=progress)
+      os.makedirs(cache_dir, exist_ok=True)
+      pool.save(path)
+      return pool
     toks_l, final_l, taps_l, plen_l = [], [], [], []
     d = cfg.dim
     # Similar lengths together, each batch padded to a multiple of 64 (a few

@@ -50,6 +50,8 @@ def base_config(method: str, **overrides):
   # features
   c.seq_len = 384
   c.feature_batch = 4
+  # computed features are kept here and reused by runs over the same data ('' = off)
+  c.feature_cache = "/tmp/specjax_train/features"
   # optimizer and cadence
   c.steps = 1500
   c.lr = 1e-3
@@ -174,6 +176,13 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
   return out
 
 
+def _feature_cache(c) -> Optional[str]:
+  """The feature cache directory (none for the tiny test target)."""
+  if c.model == TINY:
+    return None
+  return c.get("feature_cache") or None
+
+
 def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_start):
   """EAGLE (c.method == 'eagle') or EAGLE-3 ('eagle3') head training."""
   cfg = model.cfg
@@ -181,9 +190,10 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
   taps = eagle.eagle3_layers(cfg) if fused else ()
   t0 = time.perf_counter()
   pool = eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len, taps=taps,
-                                   batch_size=c.feature_batch, progress=progress)
+                                   batch_size=c.feature_batch, progress=progress,
+                                   cache_dir=_feature_cache(c))
   vpool = eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len, taps=taps,
-                                    batch_size=c.feature_batch)
+                                    batch_size=c.feature_batch, cache_dir=_feature_cache(c))
   progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
            f"{time.perf_counter() - t0:.0f}s")
   vocab = None
@@ -260,9 +270,10 @@ def _run_draft_model(c, model: Model, train_seqs, valid_seqs, progress, stop_aft
   init_layers = draft_train.parse_init_layers(c.init_layers, cfg.num_layers, c.draft_layers)
   t0 = time.perf_counter()
   pool = eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len,
-                                   batch_size=c.feature_batch, progress=progress)
+                                   batch_size=c.feature_batch, progress=progress,
+                                   cache_dir=_feature_cache(c))
   vpool = eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len,
-                                    batch_size=c.feature_batch)
+                                    batch_size=c.feature_batch, cache_dir=_feature_cache(c))
   progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
            f"{time.perf_counter() - t0:.0f}s")
   vocab = _reduced_vocab(c, cfg, train_seqs, progress)
