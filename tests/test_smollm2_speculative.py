@@ -73,6 +73,7 @@ def _drafters(model, reference):
       (PromptLookup(k=4), None),
       (LayerSkip(k=3, layers=tuple(range(0, 30, 2))), None),
       (DraftModel(k=3, cfg=dcfg), dparams),
+      registry.make_drafter("draft_model", {"k": 3}, model),  # shipped: distilled, 8192 vocab
       (Replay(k=4), replay_params(reference)),
       (AlwaysReject(k=2), None),
   ]
@@ -111,9 +112,11 @@ def test_long_horizon_pit_on_smollm2(smollm2, category_prompts):
   assert result.pooled_pvalue > 1e-3, result
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "draft_model", "eagle3_tree"])
 def test_long_horizon_pit_shipped_heads(smollm2, category_prompts, method):
-  """Shipped heads sampling at T = 1 for a T = 0.8 target: PIT-uniform."""
+  """Shipped drafters sampling at T = 1 for a T = 0.8 target: PIT-uniform
+  (draft_model: the shipped distilled one; eagle3_tree: a sampled EAGLE-2 tree,
+  siblings without replacement)."""
   sampling = sampling_lib.SamplingConfig(temperature=0.8)
   drafter, heads = registry.make_drafter(method, {"k": 3, "temperature": 1.0}, smollm2)
   cfg = smollm2.cfg.replace(eos_id=-1)
