@@ -49,3 +49,23 @@ def test_leviathan_improvement_factor():
       float(theory.expected_tokens(0.8, 4)))
   ks = [theory.optimal_k(0.8, c) for c in (0.01, 0.1, 0.5)]
   assert ks[0] >= ks[1] >= ks[2] >= 1 and ks[0] > ks[2]
+
+
+def test_best_tree_budget_follows_the_cost_curve():
+  values = [0.5, 0.3, 0.2, 0.1, 0.05, 0.02]
+  flat = {1: 1.0, 8: 1.0}  # verify as cheap at 7 tokens as at 1: take every node
+  n, s, vals = theory.best_tree_budget(values, flat, 0.1)
+  assert n == 6 and np.isclose(s, (1 + sum(values)) / 1.1)
+  steep = {1: 1.0, 2: 1.3, 8: 4.0}  # each node costs a lot: only the best pay
+  n, s, vals = theory.best_tree_budget(values, steep, 0.1)
+  assert n == 1 and np.isclose(vals[1], 1.5 / 1.4)
+  assert vals[1] > vals[2] > vals[6]
+  with pytest.raises(ValueError, match="no budget"):
+    theory.best_tree_budget(values, {1: 1.0}, 0.1)
+
+
+def test_medusa_tree_node_values_match_the_tree():
+  from specjax.drafters.medusa import tree_from_accuracies, tree_node_values
+  acc = [[0.6, 0.2], [0.5, 0.1]]
+  assert tree_from_accuracies(acc, 3) == ((0,), (1,), (0, 0))
+  np.testing.assert_allclose(tree_node_values(acc, 3), [0.6, 0.3, 0.2])

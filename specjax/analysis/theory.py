@@ -112,3 +112,31 @@ def best_chain_length(accept_hist: Sequence[int], k_run: int, t_verify: Mapping[
     return k_run, float("nan"), {}
   best = max(vals, key=vals.get)
   return best, vals[best], vals
+
+
+def best_tree_budget(node_values: Sequence[float], t_verify: Mapping[int, float],
+                     t_draft: Callable[[int], float] | float,
+                     budgets: Sequence[int] | None = None) -> Tuple[int, float, dict]:
+  """The cost-optimal node budget of a tree built greedily from nodes of
+  decreasing acceptance probability (`node_values[i]`: the probability that
+  the i-th best node's whole path is accepted; Medusa's sparse tree, or
+  EAGLE-2's reranked confidences): with N nodes a round emits
+  1 + sum(node_values[:N]) tokens in expectation and costs t_draft(N) +
+  t_verify(N + 1) (verify widths interpolated linearly between the measured
+  ones). -> (N, its predicted speedup over AR, {N: predicted speedup}).
+  This machine's verify-cost curve, not an A100's, decides how wide a tree
+  pays."""
+  if 1 not in t_verify:
+    raise ValueError("t_verify needs the 1-token cost (the AR step)")
+  cost = interpolate_cost(t_verify)
+  widths = sorted(t_verify)
+  top = max(widths) - 1
+  cands = [n for n in (budgets or range(1, len(node_values) + 1))
+           if 1 <= n <= min(len(node_values), top)]
+  if not cands:
+    raise ValueError(f"no budget within the measured verify widths (up to {top + 1})")
+  draft = t_draft if callable(t_draft) else (lambda n: float(t_draft))
+  csum = np.cumsum(np.asarray(node_values, np.float64))
+  vals = {n: (1.0 + csum[n - 1]) * t_verify[1] / (draft(n) + cost(n + 1)) for n in cands}
+  best = max(vals, key=vals.get)
+  return best, vals[best], vals

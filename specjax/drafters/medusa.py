@@ -253,3 +253,20 @@ class MedusaTree(Medusa):
     num = jnp.where(state.valid & ctx.active, n, 0).astype(jnp.int32)
     parent = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
     return TreeProposal(tokens=tokens, parent=parent, q=qn, num_nodes=num), state, target_cache
+
+
+def tree_node_values(acc, budget: int) -> list:
+  """The acceptance probabilities of the nodes `tree_from_accuracies` picks,
+  best first (their sum + 1 is the tree's expected tokens per round)."""
+  import heapq  # pylint: disable=import-outside-toplevel
+  depth, ranks = len(acc), len(acc[0])
+  heap = [(-float(acc[0][r]), (r,)) for r in range(ranks)]
+  heapq.heapify(heap)
+  out = []
+  while heap and len(out) < budget:
+    neg, node = heapq.heappop(heap)
+    out.append(-neg)
+    if len(node) < depth:
+      for r in range(ranks):
+        heapq.heappush(heap, (neg * float(acc[len(node)][r]), node + (r,)))
+  return out
