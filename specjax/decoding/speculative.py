@@ -159,18 +159,39 @@ def prefill(params, cfg: ModelConfig, drafter: Drafter, draft_params, keys, prom
                    done=base.done, metrics=metrics)
 
 
-def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: SpecConfig,
-               state: SpecState) -> SpecState:
-  """One draft-verify-accept-commit round for every active row."""
-  k = drafter.k
+def run_verify(spec: SpecConfig, num_proposed, verify_forward, cache, width: int):
+  """`verify_forward(cache, width)`, or with `spec.narrow_verify` a 1-token
+  forward when no active row proposed anything (its outputs repeated to
+  `width` by verify_forward). -> (logits, hidden, cache, narrow)."""
+  if not spec.narrow_verify:
+    return verify_forward(cache, width) + (jnp.bool_(False),)
+  narrow = jnp.all(num_proposed == 0)
+  out = jax.lax.cond(narrow, lambda c: verify_forward(c, 1),
+                     lambda c: verify_forward(c, width), cache)
+  return out + (narrow,)
+
+
+def propose_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: SpecConfig,
+                  state: SpecState):
+  """The start of a round, chain or tree: the drafter's proposal for every
+  row from the committed history, with this round's drafting keys.
+  -> (active rows, acceptance keys, proposal, drafter state, target cache)."""
   active = ~state.done
   ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
                 active=active)
   draft_keys = batch_lib.purpose_keys(state.keys, batch_lib.DRAFT, state.round)
   accept_keys = batch_lib.purpose_keys(state.keys, spec.accept_purpose, state.round)
-  target = Target(params, cfg)
-  proposal, dstate, cache = drafter.propose(draft_params, target, state.drafter, ctx,
-                                            state.cache, draft_keys)
+  proposal, dstate, cache = drafter.propose(draft_params, Target(params, cfg), state.drafter,
+                                            ctx, state.cache, draft_keys)
+  return active, accept_keys, proposal, dstate, cache
+
+
+def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: SpecConfig,
+               state: SpecState) -> SpecState:
+  """One draft-verify-accept-commit round for every active row."""
+  k = drafter.k
+  active, accept_keys, proposal, dstate, cache = propose_round(params, cfg, drafter,
+                                                               draft_params, spec, state)
   # Whatever a cache-sharing drafter wrote sits at slots >= length - 1, all of
   # which this forward rewrites (it writes length - 1 .. length - 1 + K).
   cache = cache.with_length(state.length - 1)
@@ -187,13 +208,7 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
       logits, hidden = (jnp.repeat(x[:, :1], k + 1, axis=1) for x in (logits, hidden))
     return logits, hidden, cache
 
-  if spec.narrow_verify:
-    narrow = jnp.all(num_proposed == 0)
-    logits, hidden, cache = jax.lax.cond(narrow, lambda c: verify_forward(c, 1),
-                                         lambda c: verify_forward(c, k + 1), cache)
-  else:
-    narrow = jnp.bool_(False)
-    logits, hidden, cache = verify_forward(cache, k + 1)
+  logits, hidden, cache, narrow = run_verify(spec, num_proposed, verify_forward, cache, k + 1)
   if callable(spec.rule):
     p = sampling_lib.probs(logits, spec.sampling)
     n_acc, nxt = spec.rule(accept_keys, proposal.tokens, proposal.q, p, num_proposed, logits)

@@ -30,8 +30,6 @@ import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
 from specjax import verify
-from specjax.decoding import batch as batch_lib
-from specjax.drafters.base import Context, Target
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 
@@ -123,14 +121,8 @@ def tree_round(params, cfg, drafter, draft_params, spec, state):
   from specjax.decoding import speculative as sp  # pylint: disable=import-outside-toplevel
 
   depth_max = drafter.k  # the longest path a tree can hold
-  active = ~state.done
-  ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
-                active=active)
-  draft_keys = batch_lib.purpose_keys(state.keys, batch_lib.DRAFT, state.round)
-  accept_keys = batch_lib.purpose_keys(state.keys, spec.accept_purpose, state.round)
-  target = Target(params, cfg)
-  prop, dstate, cache = drafter.propose(draft_params, target, state.drafter, ctx, state.cache,
-                                        draft_keys)
+  active, accept_keys, prop, dstate, cache = sp.propose_round(params, cfg, drafter, draft_params,
+                                                              spec, state)
   n_nodes = prop.tokens.shape[1]
   num_nodes = jnp.where(active, prop.num_nodes, 0)
   root_slot = state.length - 1
@@ -155,13 +147,8 @@ def tree_round(params, cfg, drafter, draft_params, spec, state):
       logits, hidden = (jnp.repeat(x[:, :1], n_nodes + 1, axis=1) for x in (logits, hidden))
     return logits, hidden, cache
 
-  if spec.narrow_verify:
-    narrow = jnp.all(num_nodes == 0)
-    logits, hidden, cache = jax.lax.cond(narrow, lambda c: verify_forward(c, 1),
-                                         lambda c: verify_forward(c, n_nodes + 1), cache)
-  else:
-    narrow = jnp.bool_(False)
-    logits, hidden, cache = verify_forward(cache, n_nodes + 1)
+  logits, hidden, cache, narrow = sp.run_verify(spec, num_nodes, verify_forward, cache,
+                                                n_nodes + 1)
   if spec.rule != "exact":
     raise ValueError(f"tree verification supports the exact rule only, got {spec.rule!r}")
   if spec.sampling.greedy:

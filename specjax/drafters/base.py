@@ -110,6 +110,40 @@ def sample_chain(step, carry, first_logits, keys, k: int, sampling, active, draw
   return tokens, q, carry
 
 
+def parse_draft_vocab(draft_vocab, cfg):
+  """A draft-vocabulary choice: None or '' (keep the drafter's own), 'full',
+  or a number of tokens N in [1, V] (-> int)."""
+  if draft_vocab is None or draft_vocab == "":
+    return None
+  if str(draft_vocab) == "full":
+    return "full"
+  try:
+    n = int(draft_vocab)
+  except (TypeError, ValueError):
+    raise ValueError(f"draft_vocab must be 'full' or a number of tokens, got {draft_vocab!r}") \
+        from None
+  if not 1 <= n <= cfg.vocab_size:
+    raise ValueError(f"draft_vocab={n}: must lie in [1, {cfg.vocab_size}]")
+  return n
+
+
+def ranked_vocab(rank, n: int, cfg, within=None) -> jax.Array:
+  """The n first tokens of `rank` (most frequent first), restricted to
+  `within` (a vocabulary the drafter was trained on can only be narrowed),
+  EOS always included; sorted ids."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  if rank is None:
+    raise ValueError("draft_vocab=N needs a token ranking (the checkpoint's 'vocab_rank'); "
+                     "this drafter has none: use 'full' or its own vocabulary")
+  rank = np.asarray(rank)
+  if within is not None:
+    rank = rank[np.isin(rank, np.asarray(within))]
+  keep = [int(x) for x in rank[:n]]
+  if cfg.eos_id >= 0 and cfg.eos_id not in keep:
+    keep = keep[:max(n - 1, 0)] + [cfg.eos_id]
+  return jnp.asarray(np.sort(np.asarray(keep, np.int32)))
+
+
 def draw_from(logits, sampling, keys, i, vocab=None, vocab_size: Optional[int] = None):
   """One guess per row from draft logits (B, V) -> (x (B,), q (B, V)), as
   `sample_chain` draws its i-th token. With `vocab` (Vd,) the logits cover

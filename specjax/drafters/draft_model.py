@@ -23,10 +23,10 @@ import dataclasses
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos, draw_from, sample_chain
+from specjax.drafters.base import (Drafter, Proposal, cut_at_eos, draw_from, parse_draft_vocab,
+                                   ranked_vocab, sample_chain)
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -116,26 +116,11 @@ def with_draft_vocab(params, cfg: ModelConfig, draft_vocab, rank=None):
   reduced case."""
   params = {k: v for k, v in params.items() if k not in ("lm_rows",)}
   rank = params.pop("vocab_rank", rank)
-  if str(draft_vocab) == "full":
+  choice = parse_draft_vocab(draft_vocab, cfg)
+  if choice == "full":
     params.pop("vocab", None)
-  elif draft_vocab not in (None, "", 0, "0"):
-    try:
-      n = int(draft_vocab)
-    except (TypeError, ValueError):
-      raise ValueError(f"draft_vocab must be 'full' or a number of tokens, got {draft_vocab!r}") \
-          from None
-    if not 1 <= n <= cfg.vocab_size:
-      raise ValueError(f"draft_vocab={n}: must lie in [1, {cfg.vocab_size}]")
-    if rank is None:
-      raise ValueError("draft_vocab=N needs a token ranking (the checkpoint's 'vocab_rank'); "
-                       "this draft model has none: use 'full' or its own vocabulary")
-    rank = np.asarray(rank)
-    if "vocab" in params:  # a model trained on a subset can only be narrowed further
-      rank = rank[np.isin(rank, np.asarray(params["vocab"]))]
-    keep = [int(x) for x in rank[:n]]
-    if cfg.eos_id >= 0 and cfg.eos_id not in keep:
-      keep = keep[:max(n - 1, 0)] + [cfg.eos_id]
-    params["vocab"] = jnp.asarray(np.sort(np.asarray(keep, np.int32)))
+  elif choice is not None:
+    params["vocab"] = ranked_vocab(rank, choice, cfg, params.get("vocab"))
   if "vocab" in params:
     w = params["embed"] if cfg.tie_embeddings else params["lm_head"]
     params["lm_rows"] = jnp.take(w, params["vocab"], axis=0)

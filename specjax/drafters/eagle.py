@@ -50,10 +50,10 @@ from typing import Optional, Tuple
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos, draw_from, sample_chain
+from specjax.drafters.base import (Drafter, Proposal, cut_at_eos, draw_from, parse_draft_vocab,
+                                   ranked_vocab, sample_chain)
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -200,34 +200,19 @@ def with_draft_vocab(head: dict, draft_vocab, cfg: ModelConfig) -> dict:
   """
   rank = head.get("vocab_rank")
   head = {k: v for k, v in head.items() if k not in ("vocab_rank", "lm_rows")}
-  if draft_vocab is None or draft_vocab == "":
+  choice = parse_draft_vocab(draft_vocab, cfg)
+  if choice is None:
     return head
-  if str(draft_vocab) == "full":
+  if choice == "full":
     head.pop("vocab", None)
     return head
-  try:
-    n = int(draft_vocab)
-  except (TypeError, ValueError):
-    raise ValueError(f"draft_vocab must be 'full' or a number of tokens, got {draft_vocab!r}") \
-        from None
-  if not 1 <= n <= cfg.vocab_size:
-    raise ValueError(f"draft_vocab={n}: must lie in [1, {cfg.vocab_size}]")
-  return rank_vocab(head, n, cfg, rank)
+  return rank_vocab(head, choice, cfg, rank)
 
 
 def rank_vocab(head: dict, n: int, cfg: ModelConfig, rank) -> dict:
   """The head restricted to the n first tokens of `rank` (most frequent first)."""
-  if rank is None:
-    raise ValueError("draft_vocab=N needs the checkpoint's token ranking ('vocab_rank'); "
-                     "this checkpoint has none: use 'full' or its own vocabulary")
-  rank = np.asarray(rank)
-  if "vocab" in head:  # a head trained on a subset can only be narrowed further
-    rank = rank[np.isin(rank, np.asarray(head["vocab"]))]
-  keep = list(rank[:n])
-  if cfg.eos_id >= 0 and cfg.eos_id not in keep:
-    keep = keep[:max(n - 1, 0)] + [cfg.eos_id]
   out = {k: v for k, v in head.items() if k not in ("vocab_rank", "lm_rows")}
-  out["vocab"] = jnp.asarray(np.sort(np.asarray(keep, np.int32)))
+  out["vocab"] = ranked_vocab(rank, n, cfg, head.get("vocab"))
   return out
 
 

@@ -128,6 +128,23 @@ class Blockwise(Medusa):
 TREE_MODES = ("wor", "iid", "topk")
 
 
+def _best_nodes(acc, budget: int) -> list:
+  """[(acceptance probability, rank path)] of the `budget` most probable nodes,
+  best first (see `tree_from_accuracies`)."""
+  import heapq  # pylint: disable=import-outside-toplevel
+  depth, ranks = len(acc), len(acc[0])
+  heap = [(-float(acc[0][r]), (r,)) for r in range(ranks)]
+  heapq.heapify(heap)
+  out = []
+  while heap and len(out) < budget:
+    neg, node = heapq.heappop(heap)
+    out.append((-neg, node))
+    if len(node) < depth:
+      for r in range(ranks):
+        heapq.heappush(heap, (neg * float(acc[len(node)][r]), node + (r,)))
+  return out
+
+
 def tree_from_accuracies(acc, budget: int) -> tuple:
   """Medusa's sparse tree (Cai et al., Section 2.3.3): `acc[h][r]` is the
   probability that head h's rank-r token is the right one; a node (r_1 ..
@@ -135,18 +152,14 @@ def tree_from_accuracies(acc, budget: int) -> tuple:
   much to the expected accepted length, so the best tree of `budget` nodes
   takes the `budget` most probable nodes (parents are always at least as
   probable as their children, so the set is a tree). -> choices, sorted."""
-  import heapq  # pylint: disable=import-outside-toplevel
-  depth, ranks = len(acc), len(acc[0])
-  heap = [(-float(acc[0][r]), (r,)) for r in range(ranks)]
-  heapq.heapify(heap)
-  chosen = []
-  while heap and len(chosen) < budget:
-    neg, node = heapq.heappop(heap)
-    chosen.append(node)
-    if len(node) < depth:
-      for r in range(ranks):
-        heapq.heappush(heap, (neg * float(acc[len(node)][r]), node + (r,)))
-  return tuple(sorted(chosen, key=lambda c: (len(c), c)))
+  return tuple(sorted((node for _, node in _best_nodes(acc, budget)),
+                      key=lambda c: (len(c), c)))
+
+
+def tree_node_values(acc, budget: int) -> list:
+  """The acceptance probabilities of the nodes `tree_from_accuracies` picks,
+  best first (their sum + 1 is the tree's expected tokens per round)."""
+  return [v for v, _ in _best_nodes(acc, budget)]
 
 
 def geometric_accuracies(top1, ranks: int):
@@ -253,20 +266,3 @@ class MedusaTree(Medusa):
     num = jnp.where(state.valid & ctx.active, n, 0).astype(jnp.int32)
     parent = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
     return TreeProposal(tokens=tokens, parent=parent, q=qn, num_nodes=num), state, target_cache
-
-
-def tree_node_values(acc, budget: int) -> list:
-  """The acceptance probabilities of the nodes `tree_from_accuracies` picks,
-  best first (their sum + 1 is the tree's expected tokens per round)."""
-  import heapq  # pylint: disable=import-outside-toplevel
-  depth, ranks = len(acc), len(acc[0])
-  heap = [(-float(acc[0][r]), (r,)) for r in range(ranks)]
-  heapq.heapify(heap)
-  out = []
-  while heap and len(out) < budget:
-    neg, node = heapq.heappop(heap)
-    out.append(-neg)
-    if len(node) < depth:
-      for r in range(ranks):
-        heapq.heappush(heap, (neg * float(acc[len(node)][r]), node + (r,)))
-  return out
