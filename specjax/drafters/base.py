@@ -199,7 +199,7 @@ class Drafter:
   @property
   def verify_width(self) -> int:
     """Tokens the verify forward feeds: k + 1 for a chain, N + 1 for a tree of N nodes."""
-    return self.block if self.tree else self.k + 1
+    return self.num_nodes + 1 if self.tree else self.k + 1
 
   @property
   def vocab_size(self) -> Optional[int]:
