@@ -386,9 +386,8 @@ class EagleTree(Eagle):
     object.__setattr__(self, "name", "eagle3_tree" if self.fused else "eagle_tree")
     if self.mode not in EAGLE_TREE_MODES:
       raise ValueError(f"{self.name}: mode must be one of {EAGLE_TREE_MODES}, got {self.mode!r}")
-    if self.topk < 1 or self.width < 1 or not 1 <= self.width <= self.topk * (
-        1 if self.k == 1 else self.width * self.topk):
-      raise ValueError(f"{self.name}: need topk >= 1 and 1 <= width <= the nodes of a depth")
+    if self.topk < 1 or self.width < 1:
+      raise ValueError(f"{self.name}: need topk >= 1 and width >= 1")
     if self.width > self.topk:
       raise ValueError(f"{self.name}: width ({self.width}) cannot exceed topk ({self.topk}): "
                        "depth 1 has only topk nodes to expand")
@@ -489,9 +488,9 @@ class EagleTree(Eagle):
       allowed = (rel < 0) | ((rel >= 0) & (rel < e0 + w) & vis)
       pos = jnp.broadcast_to((base + d - 1)[:, None], (b, w))
       c = cache.with_length(base + e0)
-      a_new, _ = head_step(params, target.params, cfg, f_a, f_tok, pos, c, active=ctx.active,
-                           allowed=allowed)
-      cache = cache.replace(k=_.k, v=_.v)
+      a_new, fed = head_step(params, target.params, cfg, f_a, f_tok, pos, c, active=ctx.active,
+                             allowed=allowed)
+      cache = cache.replace(k=fed.k, v=fed.v)  # the fill level stays at base
       tok, q, conf = draw(a_new, d)  # (B, W, K)
       sel_nodes = start[-1] + sel  # global node index of each frontier node
       tokens.append(tok.reshape(b, w * kk))
