@@ -108,9 +108,8 @@ def commit_path(cache: cache_lib.KVCache, root_slot: jax.Array, path: jax.Array,
 def path_gather(x: jax.Array, path: jax.Array, width: int) -> jax.Array:
   """x (B, N + 1, ...) over [root, nodes] -> (B, width, ...) over [root, path
   nodes] (positions past the path repeat the root; they are never read)."""
-  idx = jnp.concatenate([jnp.zeros_like(path[:, :1]), jnp.maximum(path, -1) + 1], axis=1)
-  idx = jnp.where(jnp.concatenate([jnp.ones_like(path[:, :1], bool), path >= 0], 1), idx, 0)
-  idx = idx[:, :width]
+  # fed index of node j is j + 1; path entries of -1 (past the path) map to the root
+  idx = jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1], axis=1)[:, :width]
   if idx.shape[1] < width:
     idx = jnp.pad(idx, ((0, 0), (0, width - idx.shape[1])))
   return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)

@@ -201,17 +201,14 @@ def _draft_model(spec: str, target_model, draft_vocab=None):
 
 def default_draft_model(target_model) -> str:
   """'distilled' for the target the shipped draft model was trained for, else 'self:L/3'."""
-  path = shipped_checkpoint("draft_model")
-  if os.path.isdir(path):
-    from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
-    try:
-      with open(os.path.join(path, checkpoints.CARD)) as f:
-        import json  # pylint: disable=import-outside-toplevel
-        fp = json.load(f).get("target_fingerprint")
-      if fp == checkpoints.target_fingerprint(target_model.params, target_model.cfg):
-        return "distilled"
-    except (OSError, ValueError):
-      pass
+  from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+  try:
+    fp = checkpoints.read_card(shipped_checkpoint("draft_model")).get("target_fingerprint")
+  except checkpoints.CheckpointError:
+    fp = None
+  if fp is not None and fp == checkpoints.target_fingerprint(target_model.params,
+                                                            target_model.cfg):
+    return "distilled"
   return f"self:{max(1, target_model.cfg.num_layers // 3)}"
 
 

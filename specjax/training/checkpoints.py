@@ -55,9 +55,8 @@ def save_drafter(path: str, params, card: dict) -> None:
   os.replace(os.path.join(path, CARD + ".tmp"), os.path.join(path, CARD))
 
 
-def load_drafter(path: str, target_params=None, target_cfg=None,
-                 method: str | None = None) -> Tuple[Any, dict]:
-  """-> (params, card). Checks the method and the target fingerprint when given."""
+def read_card(path: str) -> dict:
+  """The card of the drafter checkpoint at `path` (CheckpointError if missing or unreadable)."""
   path = os.path.abspath(path)
   card_path = os.path.join(path, CARD)
   if not os.path.isdir(path):
@@ -66,9 +65,16 @@ def load_drafter(path: str, target_params=None, target_cfg=None,
     raise CheckpointError(f"{path} is not a drafter checkpoint (no {CARD})")
   try:
     with open(card_path) as f:
-      card = json.load(f)
+      return json.load(f)
   except (OSError, json.JSONDecodeError) as e:
     raise CheckpointError(f"{card_path} is unreadable: {e}") from e
+
+
+def load_drafter(path: str, target_params=None, target_cfg=None,
+                 method: str | None = None) -> Tuple[Any, dict]:
+  """-> (params, card). Checks the method and the target fingerprint when given."""
+  path = os.path.abspath(path)
+  card = read_card(path)
   if method is not None and card.get("method") != method:
     raise CheckpointError(f"{path} holds a {card.get('method')!r} drafter, not {method!r}")
   if target_params is not None:

@@ -44,6 +44,7 @@ import numpy as np
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
+from specjax.training import eagle_train
 
 LOSSES = ("kl", "tv", "kl+tv")
 
@@ -116,11 +117,6 @@ def student_logits(student, target_params, cfg: ModelConfig, scfg: ModelConfig, 
                              cfg.replace(tie_embeddings=True), hidden)
 
 
-def _teacher(target_params, cfg, f):
-  logits = transformer.lm_head(target_params, cfg, f.astype(cfg.jnp_dtype))
-  return jax.nn.softmax(logits, -1)
-
-
 def divergences(p, logq, vocab=None):
   """Per position: (kl, tv, overlap = sum min(p, q)) with q = exp(logq) on the
   draft vocabulary (all of it when vocab is None)."""
@@ -135,7 +131,7 @@ def divergences(p, logq, vocab=None):
 def loss_fn(student, target_params, cfg, scfg, batch, vocab, loss: str):
   logits = student_logits(student, target_params, cfg, scfg, batch["tokens"], vocab)
   logq = jax.nn.log_softmax(logits, -1)
-  p = jax.lax.stop_gradient(_teacher(target_params, cfg, batch["f"]))
+  p = jax.lax.stop_gradient(eagle_train.target_probs(target_params, cfg, batch["f"])[1])
   kl, tv, _ = divergences(p, logq, vocab)
   mask = batch["answer"]
   denom = jnp.maximum(jnp.sum(mask), 1.0)
@@ -181,17 +177,22 @@ def _row(pool, i: int, width: int) -> dict:
   return {"tokens": toks, "f": ff, "answer": answer}
 
 
+def _padded_batch(pool, idx, batch_seqs: int, max_len: int) -> dict:
+  """Sequences `idx` (repeating the last up to `batch_seqs` rows), padded to a
+  multiple of 64 (at most `max_len`)."""
+  idx = [int(i) for i in idx]
+  idx += [idx[-1]] * (batch_seqs - len(idx))
+  width = min(max_len, cache_lib.round_up(max(len(pool.tokens[i]) for i in idx), 64))
+  rows = [_row(pool, i, width) for i in idx]
+  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
 def sequence_batch(pool, order: np.ndarray, rng: np.random.Generator, batch_seqs: int,
                    max_len: int) -> dict:
   """`batch_seqs` sequences of similar length (consecutive in `order`, the
   length-sorted indices), padded to a multiple of 64 (at most `max_len`)."""
   start = int(rng.integers(0, max(len(order) - batch_seqs, 0) + 1))
-  idx = [int(i) for i in order[start:start + batch_seqs]]
-  while len(idx) < batch_seqs:
-    idx.append(idx[-1])
-  width = min(max_len, cache_lib.round_up(max(len(pool.tokens[i]) for i in idx), 64))
-  rows = [_row(pool, i, width) for i in idx]
-  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+  return _padded_batch(pool, order[start:start + batch_seqs], batch_seqs, max_len)
 
 
 def length_order(pool) -> np.ndarray:
@@ -201,7 +202,7 @@ def length_order(pool) -> np.ndarray:
 @functools.partial(jax.jit, static_argnames=("cfg", "scfg"))
 def _eval_batch(student, target_params, cfg, scfg, batch, vocab):
   logits = student_logits(student, target_params, cfg, scfg, batch["tokens"], vocab)
-  p = _teacher(target_params, cfg, batch["f"])
+  _, p = eagle_train.target_probs(target_params, cfg, batch["f"])
   _, _, overlap = divergences(p, jax.nn.log_softmax(logits, -1), vocab)
   top = jnp.argmax(logits, -1)
   top = top if vocab is None else vocab[top]
@@ -218,12 +219,9 @@ def estimate(student, target_params, cfg: ModelConfig, scfg: ModelConfig, pool, 
         np.linspace(0, len(order) - 1, max_seqs).astype(int)]
   corr, over = [], []
   for s in range(0, len(order), batch_seqs):
-    idx = [int(i) for i in order[s:s + batch_seqs]]
-    real = len(idx)
-    idx += [idx[-1]] * (batch_seqs - real)
-    width = min(max_len, cache_lib.round_up(max(len(pool.tokens[i]) for i in idx), 64))
-    rows = [_row(pool, i, width) for i in idx]
-    b = {key: jnp.asarray(np.stack([r[key] for r in rows])) for key in rows[0]}
+    real = len(order[s:s + batch_seqs])
+    b = jax.tree.map(jnp.asarray, _padded_batch(pool, order[s:s + batch_seqs], batch_seqs,
+                                                max_len))
     c, o = _eval_batch(student, target_params, cfg, scfg, b, vocab)
     c, o = np.asarray(c, np.float64)[:real], np.asarray(o, np.float64)[:real]
     ans = np.asarray(b["answer"])[:real] > 0

@@ -252,7 +252,9 @@ def unroll(head, target_params, cfg: ModelConfig, batch: dict, steps: int,
   return outs
 
 
-def _target_probs(target_params, cfg, f_next, vocab):
+def target_probs(target_params, cfg, f_next, vocab=None):
+  """The target's distributions from its final normed features -> (p over
+  the draft vocabulary, p over all tokens)."""
   logits = transformer.lm_head(target_params, cfg, f_next)
   p = jax.nn.softmax(logits, -1)
   return p if vocab is None else jnp.take(p, vocab, axis=-1), p
@@ -263,7 +265,7 @@ def loss_fn(head, target_params, cfg, batch, vocab, noise, *, steps: int, w_reg:
   lm_w = eagle.head_weights(dict(head, **({} if vocab is None else {"vocab": vocab})),
                             target_params, cfg)
   outs = unroll(head, target_params, cfg, batch, steps, noise)
-  p_sub, p = _target_probs(target_params, cfg, batch["f_next"], vocab)
+  p_sub, p = target_probs(target_params, cfg, batch["f_next"], vocab)
   p = jax.lax.stop_gradient(p)
   p_sub = jax.lax.stop_gradient(p_sub)
   target_tok = jnp.argmax(p, -1)
@@ -319,7 +321,7 @@ def _eval_batch(head, target_params, cfg, batch, vocab, steps):
   lm_w = eagle.head_weights(dict(head, **({} if vocab is None else {"vocab": vocab})),
                             target_params, cfg)
   outs = unroll(head, target_params, cfg, batch, steps)
-  _, p = _target_probs(target_params, cfg, batch["f_next"], None)
+  _, p = target_probs(target_params, cfg, batch["f_next"], None)
   tgt = jnp.argmax(p, -1)
   correct, overlap = [], []
   for a in outs:
