@@ -23,7 +23,8 @@ QUESTIONS = [
     {"question_id": 2, "category": "copy", "turns": ["Name a color.", "Name another one."]},
     {"question_id": 3, "category": "count", "turns": ["Count from one to five."]},
 ]
-METHODS = ("prompt_lookup", "replay")
+# 'name@field=value': a method with its own settings beside the run's (k = 4)
+METHODS = ("prompt_lookup", "replay", "prompt_lookup@k=2")
 FIELDS = ("method", "category", "speedup", "tau", "alpha", "tokens_per_s", "ar_tokens_per_s",
           "greedy_identical", "num_prompts", "temperature", "batch_size", "k", "top_k", "top_p",
           "precision", "seed", "max_new_tokens", "checkpoint", "speedup_iqr", "commit",
@@ -73,7 +74,9 @@ def test_results_files_and_schema(bench):
     q1, q3 = r["speedup_iqr"]
     assert q1 <= q3
     assert r["checkpoint"] is None and r["precision"] == "float32"
-    assert (r["k"], r["max_new_tokens"], r["batch_size"], r["temperature"]) == (4, 8, 1, 0.0)
+    k = 2 if r["method"].endswith("@k=2") else 4
+    assert (r["k"], r["max_new_tokens"], r["batch_size"], r["temperature"]) == (k, 8, 1, 0.0)
+    assert r["verify_width"] == k + 1 and r["tree"] is False
     assert r["hardware"]["cpu_count"] == os.cpu_count()
     # the calibrated prediction: from round counts and measured costs
     assert r["predicted_speedup"] > 0 and r["theorem_3_8"] > 0 and 0 <= r["draft_frac"] < 1
@@ -81,7 +84,8 @@ def test_results_files_and_schema(bench):
   calib = json.load(open(os.path.join(c.out, "calibration.json")))
   assert set(calib) == set(METHODS)
   for m in METHODS:
-    assert calib[m]["k"] == 4 and set(calib[m]["t_verify"]) == {"1", "2", "3", "5"}
+    widths = {"1", "2", "3"} if m.endswith("@k=2") else {"1", "2", "3", "5"}
+    assert calib[m]["k"] == int(max(widths)) - 1 and set(calib[m]["t_verify"]) == widths
     assert calib[m]["t_draft"] < calib[m]["t_verify"]["1"]  # n-gram search / replay: cheap
   by = {(r["method"], r["category"]): r for r in results}
   # the cost-optimal chain length, read off replay's acceptance histogram
@@ -89,7 +93,8 @@ def test_results_files_and_schema(bench):
   assert 1 <= rep["best_k"] <= 4 and rep["best_k_predicted"] > 0
   assert by[("replay", "all")]["num_prompts"] == 2 and by[("replay", "copy")]["num_prompts"] == 1
   md = open(os.path.join(c.out, "results.md")).read()
-  assert "| prompt_lookup | count |" in md
+  assert "| prompt_lookup | count | 1 | k=4 |" in md
+  assert "| prompt_lookup@k=2 | count | 1 | k=2 |" in md
   assert os.path.getsize(os.path.join(c.out, "speedup.png")) > 1000
 
 
@@ -129,6 +134,30 @@ def test_resume_generates_nothing(bench):
   units = {(json.loads(line)["unit"], json.loads(line)["method"]) for line in log.splitlines()}
   assert len(units) == len(log.splitlines()) == len(QUESTIONS) * (1 + len(METHODS))
   assert second["results"] == first["results"]
+
+
+def test_method_settings_after_at(smollm2):
+  assert registry.parse_method("eagle3_tree@tree_nodes=8@k=3") == (
+      "eagle3_tree", {"tree_nodes": 8, "k": 3})
+  assert registry.parse_method("medusa_tree@tree_mode=iid") == ("medusa_tree",
+                                                                {"tree_mode": "iid"})
+  with pytest.raises(ValueError, match="unknown field 'nodes'"):
+    registry.parse_method("medusa_tree@nodes=8")
+  with pytest.raises(ValueError, match="field=value"):
+    registry.parse_method("medusa@8")
+  d, _ = registry.make_drafter("prompt_lookup@k=2@max_ngram=2", {"k": 5, "max_ngram": 4}, smollm2)
+  assert (d.k, d.max_ngram) == (2, 2)
+  d, _ = registry.make_drafter("prompt_lookup", {"k": 5, "max_ngram": 4}, smollm2)
+  assert (d.k, d.max_ngram) == (5, 4)  # the config itself is untouched
+
+
+def test_benchmark_refuses_repeated_or_unknown_methods(smollm2, tmp_path):
+  for methods, match in (("prompt_lookup,prompt_lookup", "repeat"),
+                         ("prompt_lookup@k=0", "k must be an integer >= 1"),
+                         ("ngram@k=2", "unknown method")):
+    c = _config(tmp_path, methods=methods)
+    with pytest.raises(ValueError, match=match):
+      specbench.run_benchmark(c, model=smollm2, progress=lambda line: None)
 
 
 def test_resume_refuses_other_settings(bench, smollm2, tmp_path):

@@ -103,6 +103,12 @@ def test_greedy_eagle_equals_ar(trained, tiny_target, name):
                     draft_params=params, max_new_tokens=20)
   assert res.tokens == ref
   assert res.stats["accepted"] > 0
+  # dynamic draft length: rows stop drafting when the head is unsure
+  dyn = sp.generate(m.params, m.cfg, eagle.Eagle(k=3, fused=name == "eagle3", stop_below=0.5),
+                    prompts, draft_params=params, max_new_tokens=20)
+  assert dyn.tokens == ref
+  width = lambda r: r.stats["verified_tokens"] / r.stats["rounds"]  # pylint: disable=unnecessary-lambda-assignment
+  assert width(dyn) < width(res) == 4
 
 
 def test_training_unroll_is_what_drafting_computes(trained, tiny_target):

@@ -10,6 +10,7 @@ correction at family-wise level 1e-3; each negative control -- a subtle bug
 of the kind shipped by real implementations -- must be rejected.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -58,6 +59,10 @@ SETTINGS = [
     # a distilled draft model does with draft_vocab=N): q is zero elsewhere.
     ("draft_model-reduced-T1-k3-B1", DraftModel(k=3, cfg=DCFG, sampling=T1), T1, PROMPTS1),
     ("draft_model-T0.7-k1-B4", DraftModel(k=1, cfg=DCFG, sampling=T1), T07, PROMPTS4),
+    # Dynamic draft length: each row stops drafting once its confidence
+    # product falls below 0.3, verified at the narrowest width holding every row.
+    ("draft_model-stop-T1-k3-B4", DraftModel(k=3, cfg=DCFG, sampling=T1, stop_below=0.3), T1,
+     PROMPTS4),
     ("layer_skip-topk-k5-B1", LayerSkip(k=5, layers=(0,), sampling=T1), TOPK, PROMPTS1),
     ("prompt_lookup-topp-k3-B4", PromptLookup(k=3, max_ngram=2), TOPP, PROMPTS4),
     # Medusa heads sample at T = 0.7 for a T = 1 target; blockwise is their
@@ -81,6 +86,14 @@ SETTINGS = [
     ("eagle_tree-wor-T1-B4", EagleTree(k=2, topk=3, width=2, sampling=T07), T1, PROMPTS4),
     ("eagle3_tree-topk-T1-B1", EagleTree(k=2, topk=3, width=2, nodes=5, mode="topk",
                                          fused=True, sampling=T1), T1, PROMPTS1),
+    # Both exact sampled tree modes under every sampling mode (with the
+    # members above: wor at T = 1 and top-p here, T = 0.7 in the PIT test;
+    # iid at top-p above, T = 1 and T = 0.7 here).
+    ("eagle_tree-wor-topp-B1", EagleTree(k=2, topk=3, width=2, sampling=TOPP), TOPP, PROMPTS1),
+    ("medusa_tree-iid-T1-B4", MedusaTree(k=2, choices=TREE, mode="iid", sampling=T1), T1,
+     PROMPTS4),
+    ("medusa_tree-iid-T0.7-B1", MedusaTree(k=2, choices=TREE, mode="iid", sampling=T07), T07,
+     PROMPTS1),
 ]
 
 
@@ -255,6 +268,22 @@ def _buggy_rule(kind):
   return rule
 
 
+@dataclasses.dataclass(frozen=True)
+class _KeepIfSure(DraftModel):
+  """The classic dynamic-length bug: a guess is kept only if the confidence
+  product INCLUDING its own probability clears the threshold, so guesses are
+  selected by their own values and are no longer distributed as q."""
+
+  keep_above: float = 0.3
+
+  def propose(self, params, target, state, ctx, target_cache, keys):
+    prop, state, cache = super().propose(params, target, state, ctx, target_cache, keys)
+    conf = jnp.take_along_axis(prop.q, prop.tokens[..., None], -1)[..., 0]
+    sure = jnp.cumprod(conf, axis=1) >= self.keep_above
+    num = jnp.minimum(prop.num_proposed, jnp.sum(jnp.cumprod(sure.astype(jnp.int32), 1), 1))
+    return prop.replace(num_proposed=num), state, cache
+
+
 _RULES = {kind: _buggy_rule(kind) for kind in
           ("unnormalised_residual", "ignore_q", "bonus_from_q", "raw_p_residual", "correct")}
 
@@ -267,6 +296,7 @@ NEGATIVE = [
      dict(rule=_RULES["raw_p_residual"])),
     ("key_reused_for_draft_and_accept", DraftModel(k=3, cfg=DCFG, sampling=T1), T1,
      dict(accept_purpose=batch_lib.DRAFT)),
+    ("draft_length_chosen_by_own_confidence", _KeepIfSure(k=3, cfg=DCFG, sampling=T1), T1, {}),
 ]
 
 
@@ -275,6 +305,31 @@ def test_negative_control_is_rejected(models, name, drafter, sampling, spec_kw):
   spec = sp.SpecConfig(sampling=sampling, **spec_kw)
   results, _ = run_setting(models, drafter, sampling, PROMPTS1, spec=spec, num=N // 2, seed=1)
   assert results[0].pvalue < 1e-6, (name, results[0])
+
+
+# The fixed-top-k dispute, measured. EAGLE-2's "q = 1" rule for top-k
+# candidates is the 'topk' mode above (one-hot q: exact, in the family). Its
+# mistaken reading -- the same deterministic top-k candidates tested with the
+# drafter's q as if they had been sampled from it ('topk_q', opt-in, labelled
+# lossy) -- must be rejected; the TV distance of its output from the target's
+# is printed (pytest -s) for the record.
+LOSSY_TREES = [
+    ("medusa_tree-topk_q-T1", MedusaTree(k=2, choices=TREE, mode="topk_q", sampling=T1), T1),
+    ("eagle3_tree-topk_q-T1", EagleTree(k=2, topk=3, width=2, nodes=5, mode="topk_q",
+                                        fused=True, sampling=T1), T1),
+]
+
+
+@pytest.mark.parametrize("name,drafter,sampling", LOSSY_TREES, ids=[n[0] for n in LOSSY_TREES])
+def test_fixed_topk_with_drafter_q_is_rejected(models, name, drafter, sampling):
+  assert drafter.lossy and sp.is_lossy(drafter, sp.SpecConfig(sampling=sampling))
+  assert not sp.is_lossy(drafter, sp.SpecConfig())  # greedy verification ignores q
+  results, _ = run_setting(models, drafter, sampling, PROMPTS1, num=N // 2, seed=1)
+  r = results[0]
+  print(f"{name}: TV(empirical joint of {M} tokens, target's) = {r.tv:.4f} "
+        f"(bound for an exact sampler {r.tv_bound:.4f}), p = {r.pvalue:.2e}")
+  assert r.pvalue < 1e-6, (name, r)
+  assert r.tv > r.tv_bound, (name, r)
 
 
 def test_reference_rule_through_the_same_hook_passes(models):

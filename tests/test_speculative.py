@@ -78,6 +78,26 @@ def test_acceptance_metrics(target, draft, reference):
   assert reject.stats["per_position_acceptance"] == [0.0, 0.0]
 
 
+def test_dynamic_draft_length(target, draft, reference):
+  """Rows stop drafting once their confidence product falls below the
+  threshold: greedy output unchanged, verifies narrower (the loop picks the
+  narrowest width holding every row's proposal); a negligible threshold is
+  the fixed-length chain."""
+  full = sp.generate(target, CFG, DraftModel(k=3, cfg=DCFG), PROMPTS, draft_params=draft,
+                     max_new_tokens=NEW)
+  assert full.stats["verified_tokens"] == 4 * full.stats["rounds"]
+  dyn = sp.generate(target, CFG, DraftModel(k=3, cfg=DCFG, stop_below=0.6), PROMPTS,
+                    draft_params=draft, max_new_tokens=NEW)
+  assert dyn.tokens == reference
+  assert 2 * dyn.stats["rounds"] <= dyn.stats["verified_tokens"] < 4 * dyn.stats["rounds"]
+  tiny = sp.generate(target, CFG, DraftModel(k=3, cfg=DCFG, stop_below=1e-30), PROMPTS,
+                     draft_params=draft, max_new_tokens=NEW)
+  assert tiny.tokens == reference and tiny.stats == full.stats
+  for bad in (-0.1, 1.0):
+    with pytest.raises(ValueError, match="stop_below"):
+      DraftModel(k=3, cfg=DCFG, stop_below=bad)
+
+
 def test_eos_and_limits_cut_accepted_blocks(target, reference):
   row = reference[1]
   # An EOS that lands inside an accepted replay block: a token first seen at j >= 3.

@@ -190,7 +190,7 @@ class Engine:
     t2 = time.perf_counter()
     out = [history[i, plen[i]:length[i]].tolist() for i in range(len(lengths))]
     return sp.SpecResult(tokens=out, prefill_s=t1 - t0, decode_s=t2 - t1, num_slots=slots,
-                         stats=sp._summarize(state), lossy=self.spec.lossy)  # pylint: disable=protected-access
+                         stats=sp._summarize(state), lossy=sp.is_lossy(drafter, self.spec))  # pylint: disable=protected-access
 
 
 def _decode_tokens(result) -> int:
@@ -206,7 +206,7 @@ def _new_record(unit, method, repeats, settings_id):
   if method != "ar":
     rec.update({"ar_decode_tokens": 0, "ar_decode_s": [0.0] * repeats,
                 "stats": {"rounds": 0, "emitted": 0, "proposed": 0, "accepted": 0,
-                          "narrow_rounds": 0},
+                          "narrow_rounds": 0, "verified_tokens": 0},
                 "identical": True})
   return rec
 
@@ -271,8 +271,8 @@ def _add(rec, r, res, ref, eos=None):
   rec["decode_tokens"] += _decode_tokens(res)
   rec["tokens"].append(res.tokens)
   if "stats" in rec:
-    for key in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds"):
-      rec["stats"][key] += res.stats[key]
+    for key in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds", "verified_tokens"):
+      rec["stats"][key] = rec["stats"].get(key, 0) + res.stats[key]
     hist = rec["stats"].get("accept_hist")
     new = res.stats["accept_hist"]
     rec["stats"]["accept_hist"] = new if hist is None else [a + b for a, b in zip(hist, new)]
@@ -302,7 +302,10 @@ def predict(stats: dict, calib: dict) -> dict:
   counts and this machine's measured costs (no decode timing enters it):
 
     cost per round = t_draft + t_verify(k + 1)   (t_verify(1) for rounds in
-                                                  which nothing was proposed)
+                                                  which nothing was proposed;
+                                                  for drafters of variable length
+                                                  t_verify at the mean width the
+                                                  other rounds used, interpolated)
     predicted speedup = emitted tokens * t_verify(1) / total cost
 
   and Leviathan et al.'s Theorem 3.8 value, which prices a verify like one AR
@@ -315,6 +318,9 @@ def predict(stats: dict, calib: dict) -> dict:
   t1, tk, td = calib["t_verify"][1], calib["t_verify"][width], calib["t_draft"]
   if not rounds:
     return {"predicted_speedup": None, "theorem_3_8": None, "draft_frac": None}
+  verified = stats.get("verified_tokens", 0)
+  if verified and rounds > narrow:
+    tk = theory.interpolate_cost(calib["t_verify"])((verified - narrow) / (rounds - narrow))
   cost = rounds * td + narrow * t1 + (rounds - narrow) * tk
   alpha = _ratio(stats["accepted"], stats["proposed"])
   c = td / (k * t1)
@@ -345,7 +351,8 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
       per_q = [_ratio(_ratio(r["decode_tokens"], d), _ratio(r["ar_decode_tokens"], a))
                for r, d, a in zip(rs, dec, ar_dec)]
       st = {k: sum(r["stats"].get(k, 0) for r in rs)
-            for k in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds")}
+            for k in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds",
+                      "verified_tokens")}
       pred = (predict(st, calibration[m]) if calibration and m in calibration
               else {"predicted_speedup": None, "theorem_3_8": None, "draft_frac": None})
       hists = [r["stats"]["accept_hist"] for r in rs if r["stats"].get("accept_hist")]
@@ -371,7 +378,12 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
                            if st["rounds"] else None),
           "narrow_frac": _ratio(st["narrow_rounds"], st["rounds"]),
           **pred,
-          **{k: v for k, v in meta.items() if k != "checkpoints"},
+          **{k: v for k, v in meta.items() if k not in ("checkpoints", "ks")},
+          "k": (meta.get("ks") or {}).get(m, meta.get("k")),
+          # guesses verified per round: k for a chain, the node count for a tree
+          "verify_width": (calibration[m].get("verify_width")
+                           if calibration and m in calibration else None),
+          "tree": bool(tree),
           "checkpoint": (meta.get("checkpoints") or {}).get(m),
       })
   return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
@@ -380,6 +392,13 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
 
 def _fmt(x, spec="{:.2f}"):
   return "-" if x is None else spec.format(x)
+
+
+def _guesses(r) -> str:
+  """Guesses verified per round: 'k=4' for a chain, 'N=16' for a tree."""
+  if r.get("tree") and r.get("verify_width"):
+    return f"N={r['verify_width'] - 1}"
+  return f"k={r['k']}" if r.get("k") is not None else "-"
 
 
 def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> str:
@@ -392,16 +411,17 @@ def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> st
       f"max_new_tokens={r0['max_new_tokens']}, seed={r0['seed']}, commit={r0['commit']}",
       f"hardware: {r0['hardware']}",
       "",
-      "| method | category | prompts | speedup | IQR (per prompt) | predicted | Thm 3.8 | "
-      "best k (predicted) | tau | alpha | ms/round | draft share | 1-token verifies | tok/s | "
-      "AR tok/s | greedy identical |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "| method | category | prompts | guesses | speedup | IQR (per prompt) | predicted | "
+      "Thm 3.8 | best k (predicted) | tau | alpha | ms/round | draft share | 1-token verifies | "
+      "tok/s | AR tok/s | greedy identical |",
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
   ]
   for r in results:
     q1, q3 = r["speedup_iqr"]
     pct = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # pylint: disable=unnecessary-lambda-assignment
     lines.append(
-        f"| {r['method']} | {r['category']} | {r['num_prompts']} | {_fmt(r['speedup'])}x | "
+        f"| {r['method']} | {r['category']} | {r['num_prompts']} | {_guesses(r)} | "
+        f"{_fmt(r['speedup'])}x | "
         f"{_fmt(q1)}-{_fmt(q3)} | {_fmt(r.get('predicted_speedup'))}x | "
         f"{_fmt(r.get('theorem_3_8'))}x | "
         f"{'-' if r.get('best_k') is None else r['best_k']} "
@@ -526,12 +546,16 @@ def run_benchmark(c, model: Optional[Model] = None,
   methods = [m.strip() for m in str(c.methods).split(",") if m.strip()]
   if not methods:
     raise ValueError("no methods given (e.g. methods='prompt_lookup,layer_skip')")
+  if len(set(methods)) != len(methods):
+    raise ValueError(f"methods repeat a name: {methods}")
   for m in methods:  # fail before any work on an unknown method or a bad k
-    if m == "ar" or m not in registry.available_methods() + ("lookahead",):
+    base, mc = registry.method_config(m, c)  # 'name@field=value...': the method's own fields
+    if base == "ar" or base not in registry.available_methods() + ("lookahead",):
       raise ValueError(f"unknown method {m!r} (AR is always the baseline); available: "
                        f"{', '.join(registry.available_methods())}")
-  if any(m != "lookahead" for m in methods) and (not isinstance(c.k, int) or c.k < 1):
-    raise ValueError(f"draft length k must be an integer >= 1, got {c.k!r}")
+    k = mc.k
+    if base != "lookahead" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+      raise ValueError(f"draft length k must be an integer >= 1, got {k!r} for {m}")
   repeats, batch_size = int(c.repeats), int(c.batch_size)
   if repeats < 1 or batch_size < 1:
     raise ValueError(f"repeats and batch_size must be >= 1, got {repeats}, {batch_size}")
@@ -584,6 +608,7 @@ def run_benchmark(c, model: Optional[Model] = None,
       "seed": int(c.seed), "max_new_tokens": int(c.max_new_tokens),
       "checkpoints": {m: registry.drafter_id(m, c, engine.model if engine else None)
                       for m in methods},
+      "ks": {m: registry.method_config(m, c)[1].k for m in methods},
       "commit": commit, "hardware": hardware(),
   }
   calib = None

@@ -55,6 +55,7 @@ class Metrics:
   reached: jax.Array  # (B, K) rounds in which guess i was evaluated
   kept: jax.Array  # (B, K) rounds in which guess i was accepted
   narrow: jax.Array  # (B,) rounds verified by a 1-token forward (no row proposed)
+  verified: jax.Array  # (B,) tokens fed to the verify forwards (their widths), summed
 
 
 @flax.struct.dataclass
@@ -108,6 +109,13 @@ class SpecConfig:
     return self.rule in verify.LOSSY_RULES
 
 
+def is_lossy(drafter: Drafter, spec: SpecConfig) -> bool:
+  """Whether sampled outputs may differ from the target's: a lossy rule, or a
+  drafter whose q is not what its guesses were drawn from (greedy
+  verification ignores q, so that is exact under a greedy target)."""
+  return spec.lossy or (bool(drafter.lossy) and not spec.sampling.greedy)
+
+
 def _write_block(history, length, block, n_emit):
   """history[b, length[b] + j] = block[b, j] for j < n_emit[b]."""
   b, w = block.shape
@@ -152,23 +160,27 @@ def prefill(params, cfg: ModelConfig, drafter: Drafter, draft_params, keys, prom
   metrics = Metrics(rounds=zeros, emitted=zeros, proposed=zeros, accepted=zeros,
                     accept_hist=jnp.zeros((b, k + 1), jnp.int32),
                     reached=jnp.zeros((b, k), jnp.int32), kept=jnp.zeros((b, k), jnp.int32),
-                    narrow=zeros)
+                    narrow=zeros, verified=zeros)
   return SpecState(round=jnp.zeros((), jnp.int32), cache=base.cache, drafter=dstate,
                    keys=keys, history=history, length=prompt_lengths + 1,
                    prompt_len=prompt_lengths, num_tokens=base.num_tokens, limit=limit,
                    done=base.done, metrics=metrics)
 
 
-def run_verify(spec: SpecConfig, num_proposed, verify_forward, cache, width: int):
-  """`verify_forward(cache, width)`, or with `spec.narrow_verify` a 1-token
-  forward when no active row proposed anything (its outputs repeated to
-  `width` by verify_forward). -> (logits, hidden, cache, narrow)."""
-  if not spec.narrow_verify:
-    return verify_forward(cache, width) + (jnp.bool_(False),)
-  narrow = jnp.all(num_proposed == 0)
-  out = jax.lax.cond(narrow, lambda c: verify_forward(c, 1),
-                     lambda c: verify_forward(c, width), cache)
-  return out + (narrow,)
+def run_verify(spec: SpecConfig, num_proposed, verify_forward, cache, width: int,
+               widths=()):
+  """`verify_forward(cache, w)` at the narrowest w of `widths` (plus `width`,
+  and 1 with `spec.narrow_verify`) that holds every row's proposal (num_proposed
+  + 1 tokens; rows not active propose 0); verify_forward pads its outputs to
+  `width`. -> (logits, hidden, cache, width used)."""
+  ws = sorted({w for w in widths if 1 <= w < width} | {width}
+              | ({1} if spec.narrow_verify else set()))
+  if len(ws) == 1:
+    return verify_forward(cache, width) + (jnp.int32(width),)
+  need = jnp.max(num_proposed) + 1
+  idx = jnp.minimum(jnp.sum(jnp.asarray(ws[:-1]) < need), len(ws) - 1)
+  out = jax.lax.switch(idx, [functools.partial(verify_forward, width=w) for w in ws], cache)
+  return out + (jnp.asarray(ws, jnp.int32)[idx],)
 
 
 def propose_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: SpecConfig,
@@ -204,11 +216,13 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
                                                 transformer.chain_positions(cache, width), cache,
                                                 active=active,
                                                 hidden_layers=tuple(drafter.layers_for(cfg)))
-    if width < k + 1:  # only position 0 is read when nothing was proposed
-      logits, hidden = (jnp.repeat(x[:, :1], k + 1, axis=1) for x in (logits, hidden))
+    if width < k + 1:  # positions past every row's proposal are never read
+      logits, hidden = (jnp.pad(x, ((0, 0), (0, k + 1 - width), (0, 0)), mode="edge")
+                        for x in (logits, hidden))
     return logits, hidden, cache
 
-  logits, hidden, cache, narrow = run_verify(spec, num_proposed, verify_forward, cache, k + 1)
+  logits, hidden, cache, used = run_verify(spec, num_proposed, verify_forward, cache, k + 1,
+                                           drafter.verify_widths)
   if callable(spec.rule):
     p = sampling_lib.probs(logits, spec.sampling)
     n_acc, nxt = spec.rule(accept_keys, proposal.tokens, proposal.q, p, num_proposed, logits)
@@ -222,11 +236,11 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
     n_acc, nxt = verify.chain_accept(accept_keys, proposal.tokens, proposal.q, p, num_proposed)
   evaluated = jnp.minimum(n_acc + 1, num_proposed)
   return commit_round(cfg, drafter, draft_params, state, dstate, cache, proposal.tokens, n_acc,
-                      nxt, hidden, evaluated, narrow)
+                      nxt, hidden, evaluated, used)
 
 
 def commit_round(cfg: ModelConfig, drafter: Drafter, draft_params, state: SpecState, dstate,
-                 cache, path_tokens, n_acc, nxt, hidden, evaluated, narrow) -> SpecState:
+                 cache, path_tokens, n_acc, nxt, hidden, evaluated, width) -> SpecState:
   """The end of a round, chain or tree: emit the n_acc accepted tokens
   `path_tokens[:, :n_acc]` and `nxt`, cut at EOS and the token limit; set
   the target cache's fill level (its entries of the accepted tokens must sit
@@ -269,7 +283,8 @@ def commit_round(cfg: ModelConfig, drafter: Drafter, draft_params, state: SpecSt
                                                                 dtype=jnp.int32),
       reached=m.reached + (pos < evaluated[:, None]).astype(jnp.int32),
       kept=m.kept + (pos < kept_guesses[:, None]).astype(jnp.int32),
-      narrow=m.narrow + act * narrow.astype(jnp.int32),
+      narrow=m.narrow + act * (width == 1).astype(jnp.int32),
+      verified=m.verified + act * width,
   )
   return state.replace(round=state.round + 1, cache=cache, drafter=dstate, history=history,
                        length=length, num_tokens=num_tokens, done=done, metrics=metrics)
@@ -319,6 +334,7 @@ def _summarize(state: SpecState) -> dict:
       "per_position_acceptance": (m.kept.sum(0) / np.maximum(m.reached.sum(0), 1)).tolist(),
       "max_rounds_per_row": int(m.rounds.max()),
       "narrow_rounds": int(m.narrow.sum()),
+      "verified_tokens": int(m.verified.sum()),
   }
 
 
@@ -357,4 +373,4 @@ def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Seque
   t2 = time.perf_counter()
   out = [history[i, plen[i]:length[i]].tolist() for i in range(len(prompts))]
   return SpecResult(tokens=out, prefill_s=t1 - t0, decode_s=t2 - t1, num_slots=num_slots,
-                    stats=_summarize(state), lossy=spec.lossy)
+                    stats=_summarize(state), lossy=is_lossy(drafter, spec))

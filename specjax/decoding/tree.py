@@ -142,12 +142,13 @@ def tree_round(params, cfg, drafter, draft_params, spec, state):
     logits, hidden, cache = transformer.forward(
         params, cfg, fed[:, :width], positions[:, :width], cache,
         mask=mask[:, :width, :width], active=active, hidden_layers=hidden_layers)
-    if width < n_nodes + 1:
-      logits, hidden = (jnp.repeat(x[:, :1], n_nodes + 1, axis=1) for x in (logits, hidden))
+    if width < n_nodes + 1:  # positions past every row's proposal are never read
+      logits, hidden = (jnp.pad(x, ((0, 0), (0, n_nodes + 1 - width), (0, 0)), mode="edge")
+                        for x in (logits, hidden))
     return logits, hidden, cache
 
-  logits, hidden, cache, narrow = sp.run_verify(spec, num_nodes, verify_forward, cache,
-                                                n_nodes + 1)
+  logits, hidden, cache, used = sp.run_verify(spec, num_nodes, verify_forward, cache,
+                                              n_nodes + 1, drafter.verify_widths)
   if spec.rule != "exact":
     raise ValueError(f"tree verification supports the exact rule only, got {spec.rule!r}")
   if spec.sampling.greedy:
@@ -161,4 +162,4 @@ def tree_round(params, cfg, drafter, draft_params, spec, state):
   hidden_path = path_gather(hidden, path, depth_max + 1)
   evaluated = jnp.minimum(n_acc + 1, jnp.minimum(num_nodes, depth_max))
   return sp.commit_round(cfg, drafter, draft_params, state, dstate, cache, path_tokens, n_acc,
-                         nxt, hidden_path, evaluated, narrow)
+                         nxt, hidden_path, evaluated, used)

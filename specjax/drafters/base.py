@@ -81,15 +81,35 @@ def cut_at_eos(tokens: jax.Array, num_proposed: jax.Array, eos_id: int) -> jax.A
   return jnp.minimum(num_proposed, first)
 
 
-def sample_chain(step, carry, first_logits, keys, k: int, sampling, active, draw=None):
-  """Autoregressive drafting of k tokens.
+def draft_confidence(logits, x, q, sampling):
+  """The drafter's confidence in its guess x (B,): the probability it gave x
+  -- q(x) when sampling; under greedy drafting (one-hot q) the T = 1 softmax
+  probability of the argmax, from the logits (any sub-vocabulary)."""
+  if sampling.greedy:
+    lg = logits.astype(jnp.float32)
+    return jnp.exp(jnp.max(lg, axis=-1) - jax.nn.logsumexp(lg, axis=-1))
+  return jnp.take_along_axis(q, x[:, None], axis=-1)[:, 0]
+
+
+def sample_chain(step, carry, first_logits, keys, k: int, sampling, active, draw=None,
+                 stop_below: float = 0.0):
+  """Autoregressive drafting of up to k tokens.
 
   `step(carry, tokens (B,)) -> (logits (B, V), carry)` feeds one token per row.
   Token i is drawn from q_i = probs(logits_i, sampling) with key
   fold_in(keys[b], i) -- or by `draw(logits, i) -> (tokens (B,), q (B, V))`
-  when given (a drafter whose logits cover a sub-vocabulary); the k-th token
-  is sampled but not fed (the verify forward feeds it). Returns (tokens
-  (B, k), q (B, k, V), carry).
+  when given (a drafter whose logits cover a sub-vocabulary); the last token
+  is sampled but not fed (the verify forward feeds it).
+
+  `stop_below` > 0: a dynamic draft length per row (EAGLE-2's confidence,
+  SpecDec++'s stopping rule in its simplest form): a row drafts token i + 1
+  only while the product of its confidences (`draft_confidence`) in tokens
+  0..i is at least `stop_below`; drafting ends when no active row goes on.
+  Exact for sampled drafts: whether token i + 1 is drafted is decided before
+  it is drawn, from the tokens above it only, never from its own value.
+
+  Returns (tokens (B, k), q (B, k, V), carry, num (B,) tokens drafted per
+  row; entries at or beyond num are padding).
   """
   def default_draw(logits, i):
     return draw_from(logits, sampling, keys, i)
@@ -97,6 +117,10 @@ def sample_chain(step, carry, first_logits, keys, k: int, sampling, active, draw
   draw = draw or default_draw
 
   x0, q0 = draw(first_logits, 0)
+  b = x0.shape[0]
+  if stop_below > 0:
+    return _chain_until_unsure(step, carry, first_logits, x0, q0, draw, k, sampling, active,
+                               stop_below)
 
   def body(c, i):
     carry, x = c
@@ -107,7 +131,46 @@ def sample_chain(step, carry, first_logits, keys, k: int, sampling, active, draw
   (carry, _), (xs, qs) = jax.lax.scan(body, (carry, x0), jnp.arange(1, k))
   tokens = jnp.concatenate([x0[:, None], jnp.moveaxis(xs, 0, 1)], axis=1)
   q = jnp.concatenate([q0[:, None], jnp.moveaxis(qs, 0, 1)], axis=1)
-  return tokens, q, carry
+  return tokens, q, carry, jnp.full((b,), k, jnp.int32)
+
+
+def _chain_until_unsure(step, carry, first_logits, x0, q0, draw, k, sampling, active,
+                        stop_below):
+  b, v = q0.shape
+  tokens = jnp.zeros((b, k), jnp.int32).at[:, 0].set(x0)
+  qs = jnp.zeros((b, k, v), q0.dtype).at[:, 0].set(q0)
+  cum = draft_confidence(first_logits, x0, q0, sampling)
+  going = cum >= stop_below  # rows that draft the next token
+
+  def cond(s):
+    i, _, _, _, _, _, _, going = s
+    return (i < k) & jnp.any(going & active)
+
+  def body(s):
+    i, carry, x_prev, tokens, qs, cum, num, going = s
+    logits, carry = step(carry, x_prev)
+    x, q = draw(logits, i)
+    tokens = tokens.at[:, i].set(x)
+    qs = qs.at[:, i].set(q)
+    num = jnp.where(going, i + 1, num)
+    cum = cum * draft_confidence(logits, x, q, sampling)
+    return i + 1, carry, x, tokens, qs, cum, num, going & (cum >= stop_below)
+
+  init = (jnp.int32(1), carry, x0, tokens, qs, cum, jnp.ones((b,), jnp.int32), going)
+  _, carry, _, tokens, qs, _, num, _ = jax.lax.while_loop(cond, body, init)
+  return tokens, qs, carry, num
+
+
+def check_stop_below(name: str, stop_below) -> None:
+  if not isinstance(stop_below, (int, float)) or not 0.0 <= stop_below < 1.0:
+    raise ValueError(f"{name}: stop_below (the dynamic draft length's confidence threshold) "
+                     f"must lie in [0, 1), got {stop_below!r}")
+
+
+def variable_widths(k: int) -> tuple:
+  """Verify widths for proposals of any length 1..k (the loop verifies at the
+  narrowest that holds every active row's proposal)."""
+  return tuple(range(2, k + 2))
 
 
 def parse_draft_vocab(draft_vocab, cfg):
@@ -182,6 +245,10 @@ class Drafter:
   # its node count + 1.
   tree = False
   name = "drafter"
+  # Whether the drafter's q is NOT the distribution its guesses were drawn
+  # from (a lossy opt-in such as the fixed-top-k trees' 'topk_q'): sampled
+  # outputs then differ from the target's; results carry `lossy`.
+  lossy = False
   # Whether `init` needs the target's prefill hidden states (`hidden=`, the
   # layers `layers_for` names): feature-level drafters (EAGLE).
   needs_prefill_hidden = False
@@ -200,6 +267,14 @@ class Drafter:
   def verify_width(self) -> int:
     """Tokens the verify forward feeds: k + 1 for a chain, N + 1 for a tree of N nodes."""
     return self.num_nodes + 1 if self.tree else self.k + 1
+
+  @property
+  def verify_widths(self) -> tuple:
+    """Verify widths the loop may choose from each round: the narrowest that
+    holds every active row's proposal (plus 1 token when none proposed, with
+    `SpecConfig.narrow_verify`). One width by default; drafters whose
+    proposals vary in length offer more (each is one more compiled forward)."""
+    return (self.verify_width,)
 
   @property
   def vocab_size(self) -> Optional[int]:

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
 from specjax.drafters.base import (Drafter, Proposal, cut_at_eos, draw_from, parse_draft_vocab,
-                                   ranked_vocab, sample_chain)
+                                   ranked_vocab, sample_chain, check_stop_below,
+                                   variable_widths)
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -45,12 +46,19 @@ class DraftModelState:
 class DraftModel(Drafter):
   cfg: ModelConfig = None
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
+  # > 0: dynamic draft length, stop once the chain's confidence falls below (`sample_chain`)
+  stop_below: float = 0.0
   name = "draft_model"
 
   def __post_init__(self):
     super().__post_init__()
     if self.cfg is None:
       raise ValueError("DraftModel needs the draft model's ModelConfig")
+    check_stop_below(self.name, self.stop_below)
+
+  @property
+  def verify_widths(self) -> tuple:
+    return variable_widths(self.k) if self.stop_below > 0 else (self.k + 1,)
 
   @property
   def vocab_size(self):
@@ -86,9 +94,9 @@ class DraftModel(Drafter):
     def draw(lg, i):
       return draw_from(lg, self.sampling, keys, i, params.get("vocab"), self.cfg.vocab_size)
 
-    tokens, q, cache = sample_chain(step, cache, first, keys, self.k, self.sampling, ctx.active,
-                                    draw=draw)
-    num = cut_at_eos(tokens, jnp.full(tokens.shape[:1], self.k, jnp.int32), self.cfg.eos_id)
+    tokens, q, cache, num = sample_chain(step, cache, first, keys, self.k, self.sampling,
+                                         ctx.active, draw=draw, stop_below=self.stop_below)
+    num = cut_at_eos(tokens, num, self.cfg.eos_id)
     return Proposal(tokens=tokens, q=q, num_proposed=num), DraftModelState(cache), target_cache
 
   def _forward(self, params, tokens, cache, num_new: int, active):

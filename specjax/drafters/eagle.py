@@ -53,7 +53,8 @@ import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
 from specjax.drafters.base import (Drafter, Proposal, cut_at_eos, draw_from, parse_draft_vocab,
-                                   ranked_vocab, sample_chain)
+                                   ranked_vocab, sample_chain, check_stop_below,
+                                   variable_widths)
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -231,6 +232,8 @@ class Eagle(Drafter):
 
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
   fused: bool = False  # EAGLE-3
+  # > 0: dynamic draft length, stop once the chain's confidence falls below (`sample_chain`)
+  stop_below: float = 0.0
   name = "eagle"
   needs_prefill_hidden = True
 
@@ -238,6 +241,16 @@ class Eagle(Drafter):
     super().__post_init__()
     if self.fused:
       object.__setattr__(self, "name", "eagle3")
+    check_stop_below(self.name, self.stop_below)
+    if self.tree and self.stop_below:
+      raise ValueError(f"{self.name}: stop_below is for chains (a tree's shape comes from "
+                       "its node budget)")
+
+  @property
+  def verify_widths(self) -> tuple:
+    if self.tree or self.stop_below <= 0:
+      return (self.verify_width,)
+    return variable_widths(self.k)
 
   @property
   def block(self) -> int:
@@ -326,9 +339,10 @@ class Eagle(Drafter):
     def draw(logits, i):
       return self._draw(params, target, logits, keys, i)
 
-    tokens, q, (cache, _) = sample_chain(step, (cache, a_last), first, keys, self.k,
-                                         self.sampling, ctx.active, draw=draw)
-    num = cut_at_eos(tokens, jnp.full(tokens.shape[:1], self.k, jnp.int32), cfg.eos_id)
+    tokens, q, (cache, _), num = sample_chain(step, (cache, a_last), first, keys, self.k,
+                                              self.sampling, ctx.active, draw=draw,
+                                              stop_below=self.stop_below)
+    num = cut_at_eos(tokens, num, cfg.eos_id)
     num = jnp.where(ctx.active, num, 0)
     return (Proposal(tokens=tokens, q=q, num_proposed=num),
             state.replace(cache=cache, base=base), target_cache)
@@ -345,7 +359,8 @@ class Eagle(Drafter):
 
 # ---- dynamic trees (EAGLE-2) ------------------------------------------------------
 
-EAGLE_TREE_MODES = ("wor", "topk")
+# Exact: "wor", "topk". LOSSY (opt-in, for measuring it): "topk_q" (see MedusaTree).
+EAGLE_TREE_MODES = ("wor", "topk", "topk_q")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +387,9 @@ class EagleTree(Eagle):
     exactness -- so the tree has all topk + (k - 1) width topk candidates and
     `nodes` is ignored. Choosing which nodes to expand by their confidence is
     allowed: it decides a node's children before they are drawn.
+  * Mode "topk_q" (LOSSY, opt-in): mode "topk"'s candidates tested with the
+    head's q as if sampled from it (the mistake of the fixed-top-k dispute;
+    "topk", EAGLE-2's "q = 1", is the exact form).
   """
 
   topk: int = 4
@@ -403,7 +421,11 @@ class EagleTree(Eagle):
 
   @property
   def deterministic_tree(self) -> bool:
-    return self.sampling.greedy or self.mode == "topk"
+    return self.sampling.greedy or self.mode in ("topk", "topk_q")
+
+  @property
+  def lossy(self) -> bool:
+    return self.mode == "topk_q"
 
   @property
   def num_nodes(self) -> int:
@@ -422,6 +444,10 @@ class EagleTree(Eagle):
     if self.deterministic_tree:
       conf, j = jax.lax.top_k(logconf, kk)
       q = None
+      if self.mode == "topk_q" and not self.sampling.greedy:  # LOSSY: the parent's q
+        q = jnp.broadcast_to(q_sub[:, None], (q_sub.shape[0], kk, q_sub.shape[-1]))
+        if vocab is not None:
+          q = jnp.zeros(q.shape[:-1] + (vocab_size,), jnp.float32).at[..., vocab].set(q)
     else:
       g = jax.random.gumbel(key, logits.shape, jnp.float32)  # one row: (P, Vd)
       score = jnp.where(q_sub > 0, jnp.log(jnp.maximum(q_sub, 1e-38)) + g, -jnp.inf)
@@ -504,7 +530,7 @@ class EagleTree(Eagle):
     parent = jnp.concatenate(parents, 1)
     score = jnp.concatenate(scores, 1)
     total = tokens.shape[1]
-    if self.deterministic_tree:
+    if qs[0] is None:  # deterministic candidates: one-hot q
       q = jax.nn.one_hot(tokens, vsize, dtype=jnp.float32)
     else:
       q = jnp.concatenate(qs, 1)

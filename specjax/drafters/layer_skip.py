@@ -69,6 +69,7 @@ class LayerSkip(Drafter):
       return lg[:, 0], c
 
     first, cache = step(cache, last[:, 0])
-    tokens, q, cache = sample_chain(step, cache, first, keys, self.k, self.sampling, ctx.active)
+    tokens, q, cache, _ = sample_chain(step, cache, first, keys, self.k, self.sampling,
+                                       ctx.active)
     num = cut_at_eos(tokens, jnp.full(tokens.shape[:1], self.k, jnp.int32), target.cfg.eos_id)
     return Proposal(tokens=tokens, q=q, num_proposed=num), state, cache

@@ -125,7 +125,8 @@ class Blockwise(Medusa):
 
 # ---- trees ------------------------------------------------------------------
 
-TREE_MODES = ("wor", "iid", "topk")
+# Exact: "wor", "iid", "topk". LOSSY (opt-in, for measuring it): "topk_q".
+TREE_MODES = ("wor", "iid", "topk", "topk_q")
 
 
 def _best_nodes(acc, budget: int) -> list:
@@ -200,6 +201,13 @@ class MedusaTree(Medusa):
     earlier ranks removed and renormalised;
   * "iid" (exact, SpecInfer): independent draws from q for each rank;
   * "topk": the head's top-r tokens as deterministic candidates (one-hot q).
+    This is the fixed-top-k scheme of EAGLE-2's code ("q = 1": accept x with
+    p_cur(x), on rejection zero it in p_cur and renormalise): exact, because
+    a deterministic candidate's q IS one-hot.
+  * "topk_q" (LOSSY, opt-in, `lossy` is True): the same top-r candidates
+    tested with the head's q as if they had been sampled from it -- the
+    mistake the fixed-top-k dispute is about; kept to measure how far off it
+    is (tests/test_exactness_montecarlo.py reports its TV distance).
 
   One draw per depth is shared by every parent at that depth: a path visits
   one node per depth, so each node's children are still a draw from q in
@@ -225,6 +233,10 @@ class MedusaTree(Medusa):
     return len(self.choices)
 
   @property
+  def lossy(self) -> bool:
+    return self.mode == "topk_q"
+
+  @property
   def block(self) -> int:
     return self.num_nodes + 1
 
@@ -239,10 +251,13 @@ class MedusaTree(Medusa):
     v = logits.shape[-1]
     width = max(ranks) + 1
     q = sampling_lib.probs(logits, self.sampling)  # (B, D, V)
-    if self.sampling.greedy or self.mode == "topk":
+    if self.sampling.greedy or self.mode in ("topk", "topk_q"):
       _, top = jax.lax.top_k(logits, width)  # (B, D, R)
       tok_dr = top.astype(jnp.int32)
-      q_dr = one_hot_q(tok_dr, v)
+      if self.mode == "topk_q" and not self.sampling.greedy:  # LOSSY: q is not one-hot
+        q_dr = jnp.broadcast_to(q[:, :, None], (b, self.k, width, v))
+      else:
+        q_dr = one_hot_q(tok_dr, v)
     elif self.mode == "wor":
       sub = jax.vmap(lambda kk: jax.vmap(lambda i: jax.random.fold_in(kk, i))(
           jnp.arange(self.k)))(keys)  # (B, D)

@@ -23,6 +23,9 @@ None fields take the defaults below); it is typically the run's ConfigDict:
                  shipped for SmolLM2-135M in specjax/checkpoints/); guesses
                  drawn from each head's q with the target's sampling settings
   blockwise      the same heads' top-1 chain (Stern et al.; one-hot q)
+  draft_stop     draft_model, eagle, eagle3: a dynamic draft length per row --
+                 stop once the product of the drafter's confidences in its
+                 guesses falls below draft_stop (0: always k guesses)
   eagle, eagle3  k, checkpoint (default: the shipped head), draft_vocab (default:
                  the checkpoint's own draft vocabulary; 'full' for the whole
                  vocabulary; N for the N most frequent tokens of its training data)
@@ -37,6 +40,10 @@ None fields take the defaults below); it is typically the run's ConfigDict:
                  tree_mode 'topk'); tree_mode 'wor' keeps every sampled child
   lookahead      k and the fields `specjax.drafters.lookahead.Lookahead` declares
                  (available once that module exists)
+
+A method name may carry its own field values after '@', so one run compares
+settings side by side: 'eagle3_tree@tree_nodes=8', 'eagle@k=2@draft_vocab=full'
+(each record keeps the full name).
 
 Drafters that sample (draft model, layer skip) draw with the target's own
 sampling settings, read from the config's temperature / top_k / top_p unless
@@ -86,6 +93,9 @@ def add_config_fields(c) -> None:
   c.draft_model = ml_collections.config_dict.placeholder(str)  # draft_model, e.g. 'self:10'
   c.checkpoint = ml_collections.config_dict.placeholder(str)  # trained drafters (medusa, ...)
   c.draft_vocab = ml_collections.config_dict.placeholder(str)  # eagle(3): 'full' or N tokens
+  # draft_model, eagle(3) chains: dynamic draft length, stop drafting a row once the
+  # product of the drafter's confidences in its guesses falls below this (0: off)
+  c.draft_stop = 0.0
   # trees (medusa_tree, ...): node budget, sibling draws (wor / iid / topk)
   c.tree_nodes = 16
   c.tree_mode = "wor"
@@ -104,6 +114,75 @@ def apply_variants(c, arg, config_name: str) -> None:
       c.dtype = "bfloat16"
     else:
       raise ValueError(f"unknown variant {variant!r} of {config_name} (sample, bf16)")
+
+
+def _config_fields() -> frozenset:
+  fields = {}
+  add_config_fields(_Fields(fields))
+  return frozenset(fields)
+
+
+class _Fields:
+  """Collects the names add_config_fields sets."""
+
+  def __init__(self, store):
+    object.__setattr__(self, "_store", store)
+
+  def __setattr__(self, name, value):
+    self._store[name] = value
+
+
+def _parse_value(text: str):
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return {"None": None, "true": True, "false": False}.get(text, text)
+
+
+def parse_method(method: str) -> tuple[str, dict]:
+  """'eagle3_tree@tree_nodes=8@k=3' -> ('eagle3_tree', {'tree_nodes': 8, 'k': 3})."""
+  base, *parts = str(method).split("@")
+  allowed = _config_fields()
+  if base == "lookahead" and importlib.util.find_spec(LOOKAHEAD_MODULE) is not None:
+    cls = getattr(importlib.import_module(LOOKAHEAD_MODULE), "Lookahead")
+    allowed = allowed | {f.name for f in dataclasses.fields(cls) if f.init}
+  overrides = {}
+  for part in parts:
+    key, sep, value = part.partition("=")
+    if not sep or not key:
+      raise ValueError(f"method {method!r}: each '@' must be followed by field=value, "
+                       f"got {part!r}")
+    if key not in allowed:
+      raise ValueError(f"method {method!r}: unknown field {key!r}; fields: "
+                       f"{', '.join(sorted(allowed))}")
+    overrides[key] = _parse_value(value)
+  return base, overrides
+
+
+class _Overlay:
+  """A config seen through a method's own field values."""
+
+  def __init__(self, base, overrides):
+    self._base, self._overrides = base, overrides
+
+  def __getattr__(self, name):
+    if name.startswith("_"):
+      raise AttributeError(name)
+    if name in self._overrides:
+      return self._overrides[name]
+    return _field(self._base, name)
+
+  def get(self, name, default=None):
+    value = getattr(self, name)
+    return default if value is None else value
+
+
+def method_config(method: str, config) -> tuple[str, Any]:
+  """(base method name, the config with the method's '@' field values applied)."""
+  base, overrides = parse_method(method)
+  return base, (_Overlay(config, overrides) if overrides else config)
 
 
 def available_methods() -> tuple:
@@ -239,6 +318,7 @@ def drafter_id(method: str, config, target_model=None) -> Optional[str]:
   path relative to the shipped ones when it is shipped, plus the draft
   vocabulary choice; for the draft model its spec; None for training-free
   drafters."""
+  method, config = method_config(method, config)
   vocab = _field(config, "draft_vocab")
   if method == "draft_model":
     spec = _field(config, "draft_model")
@@ -303,6 +383,7 @@ def make_drafter(method: str, config, target_model, *, reference=None,
     sampling: the target's sampling settings (default: from the config).
     reference_width: replay only: pad the references to this many tokens.
   """
+  method, config = method_config(method, config)
   methods = available_methods()
   if method not in methods and method != "lookahead":
     raise ValueError(f"unknown drafting method {method!r}; available: {', '.join(methods)}")
@@ -319,7 +400,8 @@ def make_drafter(method: str, config, target_model, *, reference=None,
   if method == "draft_model":
     spec = str(_field(config, "draft_model") or default_draft_model(target_model))
     draft_params, draft_cfg = _draft_model(spec, target_model, _field(config, "draft_vocab"))
-    return DraftModel(k=k, cfg=draft_cfg, sampling=sampling), draft_params
+    return DraftModel(k=k, cfg=draft_cfg, sampling=sampling,
+                      stop_below=float(_field(config, "draft_stop", 0.0))), draft_params
   if method == "replay":
     drafter = Replay(k=k)
     if reference is None:
@@ -340,7 +422,8 @@ def make_drafter(method: str, config, target_model, *, reference=None,
                                 nodes=int(_field(config, "tree_nodes", 16)),
                                 mode=str(_field(config, "tree_mode", "wor")))
     else:
-      drafter = eagle.Eagle(k=k, sampling=sampling, fused=fused)
+      drafter = eagle.Eagle(k=k, sampling=sampling, fused=fused,
+                            stop_below=float(_field(config, "draft_stop", 0.0)))
     drafter.check(cfg, params)
     return drafter, eagle.prepare(params, target_model.params, cfg)
   if method == "medusa_tree":
