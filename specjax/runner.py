@@ -47,7 +47,7 @@ def generate_from_config(c, model: Optional[Model] = None) -> dict:
 
   sampling = sampling_from_config(c)
   methods = ("ar",) + registry.available_methods()
-  if c.method not in methods and c.method != "lookahead":
+  if c.method not in methods and c.method not in registry.LOOKAHEAD_METHODS:
     raise ValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
   model = model or load_model(c.model, c.dtype)
   if model.tokenizer is None:

@@ -228,6 +228,38 @@ def test_state_equals_a_fresh_prefill_after_every_kind_of_round(trained, tiny_ta
       assert any(mismatches[1:]), mismatches
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec"))
+def _tree_round(params, cfg, drafter, dparams, spec, state):
+  from specjax.decoding import tree as tree_lib  # pylint: disable=import-outside-toplevel
+  return tree_lib.tree_round(params, cfg, drafter, dparams, spec, state)
+
+
+def test_tree_state_equals_a_fresh_prefill_after_each_round(trained, tiny_target):
+  """After a tree round (the accepted path's verify features committed as a
+  chain, whatever nodes it took), the head's state and so its next tree are
+  those of a head freshly prefilled on the committed prefix."""
+  m = tiny_target
+  dparams, _ = _load(trained, "eagle3", m)
+  drafter = eagle.EagleTree(k=3, topk=2, width=2, nodes=6, fused=True)
+  spec = sp.SpecConfig(sampling=sampling_lib.GREEDY)
+  state = sp.start(m.params, m.cfg, drafter, [[5, 9, 3, 17, 4, 22, 7], [8, 8, 30]],
+                   draft_params=dparams, key=3, max_new_tokens=40, spec=spec)
+  accepted = set()
+  for i in range(5):
+    before = np.asarray(state.length)
+    state = _tree_round(m.params, m.cfg, drafter, dparams, spec, state)
+    accepted |= set((np.asarray(state.length) - before - 1).tolist())
+    keys = jax.random.split(jax.random.key(100 + i), 2)
+    ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
+                  active=~state.done)
+    live, _, _ = drafter.propose(dparams, Target(m.params, m.cfg), state.drafter, ctx,
+                                 state.cache, keys)
+    fresh = _fresh_proposal(m, drafter, dparams, state, keys)
+    np.testing.assert_array_equal(live.tokens, fresh.tokens, err_msg=f"round {i}")
+    np.testing.assert_array_equal(live.parent, fresh.parent, err_msg=f"round {i}")
+  assert len(accepted) > 1, accepted  # rounds of different accepted lengths were covered
+
+
 def test_reduced_vocabulary_helpers():
   counts = np.array([5, 0, 9, 9, 1, 7])
   assert eagle_train.reduced_vocab(counts, 3).tolist() == [2, 3, 5]

@@ -27,6 +27,7 @@ from specjax.decoding import speculative as sp
 from specjax.drafters.draft_model import DraftModel, with_draft_vocab
 from specjax.drafters.eagle import Eagle, EagleTree, init_head, prepare
 from specjax.drafters.layer_skip import LayerSkip
+from specjax.drafters.lookahead import LookaheadTree
 from specjax.drafters.medusa import Blockwise, Medusa, MedusaTree
 from specjax.drafters.prompt_lookup import PromptLookup
 
@@ -94,6 +95,10 @@ SETTINGS = [
      PROMPTS4),
     ("medusa_tree-iid-T0.7-B1", MedusaTree(k=2, choices=TREE, mode="iid", sampling=T07), T07,
      PROMPTS1),
+    # Lookahead's G candidates (deterministic, one-hot q) merged into a trie
+    # with duplicates marked out of the tree, one tree forward.
+    ("lookahead_tree-T0.7-B4", LookaheadTree(window=2, ngram=3, max_candidates=3, pool_size=16),
+     T07, PROMPTS4),
 ]
 
 
@@ -178,7 +183,7 @@ def test_every_draft_position_sees_rejections(family):
   both outcomes (positions beyond M - 1 are covered by the PIT test)."""
   for name, (_, stats) in family.items():
     acc = np.asarray(stats["per_position_acceptance"])[:M - 1]
-    if name.startswith("prompt_lookup"):
+    if name.startswith(("prompt_lookup", "lookahead")):
       acc = acc[:1]  # n-gram proposals rarely run to full length on V = 8
     if name.startswith(("medusa", "blockwise")):
       # Heads have no feature before the first verify: the first round proposes

@@ -256,3 +256,46 @@ def test_jacobi_window_alone_finds_the_continuation(periodic):
   assert res.tokens == [follow(p, NEW) for p in prompts]
   assert sum(res.stats["accept_hist"][2:]) > 0, res.stats
 
+
+
+# --- G candidates at once: the trie through the tree verifier -------------------
+
+TREE_DRAFTER = la.LookaheadTree(window=4, ngram=3, max_candidates=4, pool_size=32)
+
+
+def test_candidates_merge_into_a_trie():
+  from specjax.decoding.tree import candidates_tree  # pylint: disable=import-outside-toplevel
+  cands = jnp.asarray([[[5, 6, 7], [5, 6, 8], [5, 9, 7], [4, 6, 7], [5, 6, 7]]])
+  lengths = jnp.asarray([[3, 3, 2, 3, 0]])
+  tokens, parent = candidates_tree(cands, lengths)
+  g = 5
+  node = lambda c, i: i * g + c  # pylint: disable=unnecessary-lambda-assignment
+  want = -2 * np.ones(15, np.int64)
+  want[node(0, 0)] = want[node(3, 0)] = -1  # roots: 5 (shared by 0, 1, 2) and 4
+  want[node(0, 1)] = want[node(2, 1)] = node(0, 0)  # 5 -> 6 (0, 1) and 5 -> 9 (2)
+  want[node(3, 1)] = node(3, 0)
+  want[node(0, 2)] = want[node(1, 2)] = node(0, 1)  # 5 6 -> 7 and 8
+  want[node(3, 2)] = node(3, 1)  # candidate 2 has length 2; candidate 4 is empty
+  np.testing.assert_array_equal(np.asarray(parent[0]), want)
+  np.testing.assert_array_equal(np.asarray(tokens[0]), np.asarray(cands[0]).T.reshape(-1))
+
+
+def test_tree_of_candidates_greedy_equals_autoregressive(params, periodic):
+  ref = ar.generate(params, CFG, PROMPTS, max_new_tokens=NEW)
+  res = speculative.generate(params, CFG, TREE_DRAFTER, PROMPTS, max_new_tokens=NEW)
+  assert res.tokens == ref.tokens and not res.lossy
+  prompts = [[3, 4, 5, 6, 7, 3, 4], [6, 7, 3, 4, 5], [4, 5, 6, 7, 3, 4, 5]]
+  chain = speculative.generate(periodic, CFG, DRAFTER, prompts, max_new_tokens=NEW)
+  tree = speculative.generate(periodic, CFG, TREE_DRAFTER, prompts, max_new_tokens=NEW)
+  assert tree.tokens == [follow(p, NEW) for p in prompts]
+  assert tree.tau >= chain.tau > 2.5, (tree.stats, chain.stats)
+
+
+def test_tree_of_candidates_sampled_is_reproducible(params):
+  spec = speculative.SpecConfig(sampling=sampling_lib.SamplingConfig(temperature=1.0))
+  run = lambda key: speculative.generate(params, CFG, TREE_DRAFTER, PROMPTS, key=key, spec=spec,  # pylint: disable=unnecessary-lambda-assignment
+                                         max_new_tokens=NEW).tokens
+  a = run(3)
+  assert run(3) == a and run(4) != a
+  with pytest.raises(ValueError, match="depth"):
+    la.LookaheadTree(k=5, ngram=3)

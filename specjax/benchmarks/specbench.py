@@ -550,11 +550,11 @@ def run_benchmark(c, model: Optional[Model] = None,
     raise ValueError(f"methods repeat a name: {methods}")
   for m in methods:  # fail before any work on an unknown method or a bad k
     base, mc = registry.method_config(m, c)  # 'name@field=value...': the method's own fields
-    if base == "ar" or base not in registry.available_methods() + ("lookahead",):
+    if base == "ar" or base not in registry.available_methods() + registry.LOOKAHEAD_METHODS:
       raise ValueError(f"unknown method {m!r} (AR is always the baseline); available: "
                        f"{', '.join(registry.available_methods())}")
     k = mc.k
-    if base != "lookahead" and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+    if base not in registry.LOOKAHEAD_METHODS and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
       raise ValueError(f"draft length k must be an integer >= 1, got {k!r} for {m}")
   repeats, batch_size = int(c.repeats), int(c.batch_size)
   if repeats < 1 or batch_size < 1:

@@ -40,16 +40,43 @@ class TreeProposal:
 
   Nodes at or beyond `num_nodes[b]` are padding: never accepted (their
   parent may be anything; they are masked out of every other node's view).
+  A node with parent -2 inside the list is padding too (a duplicate that a
+  trie merged away, or an empty candidate slot: `candidates_tree`).
   """
 
   tokens: jax.Array  # (B, N) int32
-  parent: jax.Array  # (B, N) int32 in [-1, j - 1]
+  parent: jax.Array  # (B, N) int32 in [-1, j - 1]; -2: not in the tree
   q: jax.Array  # (B, N, V) float32: node j was drawn from q[:, j]
   num_nodes: jax.Array  # (B,) int32
 
   @property
   def num_proposed(self) -> jax.Array:
     return self.num_nodes
+
+
+def candidates_tree(cands: jax.Array, lengths: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """G candidate continuations per row as one trie (multi-draft verification
+  of deterministic candidates: Lookahead's pool, n-gram matches).
+
+  cands (B, G, L) tokens, lengths (B, G) in [0, L] (the candidate's valid
+  prefix). Node (g, i) -- token cands[g, i] at depth i + 1 -- sits at index
+  i * G + g (depth-major: parents come first); a candidate whose first i + 1
+  tokens equal an earlier candidate's shares that candidate's nodes, and its
+  own copies get parent -2 (not in the tree), as do positions past its length.
+  Returns (tokens (B, G * L), parent (B, G * L)).
+  """
+  b, g, l = cands.shape
+  same = jnp.cumprod(cands[:, :, None, :] == cands[:, None, :, :], axis=-1).astype(bool)
+  ok = jnp.arange(l)[None, None] < lengths[:, :, None]  # (B, G, L)
+  # the first candidate g' <= g with the same prefix through depth i (g itself if none earlier)
+  canon = jnp.argmax(same & ok[:, None, :, :], axis=2)  # (B, G, L)
+  own = ok & (canon == jnp.arange(g)[None, :, None])
+  node = jnp.arange(l)[None, None, :] * g + canon  # index of (canon, i)
+  par = jnp.concatenate([jnp.full((b, g, 1), -1, jnp.int32), node[:, :, :-1].astype(jnp.int32)],
+                        axis=2)
+  par = jnp.where(own, par, -2)
+  flat = lambda x: jnp.swapaxes(x, 1, 2).reshape(b, g * l)  # pylint: disable=unnecessary-lambda-assignment
+  return flat(cands).astype(jnp.int32), flat(par)
 
 
 def ancestor_mask(parent: jax.Array) -> jax.Array:
@@ -128,8 +155,8 @@ def tree_round(params, cfg, drafter, draft_params, spec, state):
   cache = cache.with_length(root_slot)
   last = jnp.take_along_axis(state.history, root_slot[:, None], axis=1)
   fed = jnp.concatenate([last, prop.tokens], axis=1)  # (B, N + 1)
-  valid = jnp.arange(n_nodes)[None] < num_nodes[:, None]
-  parent = jnp.where(valid, prop.parent, -1)
+  valid = (jnp.arange(n_nodes)[None] < num_nodes[:, None]) & (prop.parent >= -1)
+  parent = jnp.where(valid, prop.parent, -1)  # for positions and the mask
   dep = depths(parent)
   positions = root_slot[:, None] + jnp.concatenate([jnp.zeros_like(dep[:, :1]), dep], axis=1)
   mask = ancestor_mask(parent)
@@ -151,6 +178,7 @@ def tree_round(params, cfg, drafter, draft_params, spec, state):
                                               n_nodes + 1, drafter.verify_widths)
   if spec.rule != "exact":
     raise ValueError(f"tree verification supports the exact rule only, got {spec.rule!r}")
+  parent = jnp.where(valid, parent, -2)  # padding is nobody's child
   if spec.sampling.greedy:
     path, n_acc, nxt = verify.tree_greedy_accept(prop.tokens, parent, logits, num_nodes)
   else:

@@ -40,8 +40,12 @@ Differences from the paper, forced by the drafter interface:
   own target forward per round: two target forwards per round, and `tau`
   (tokens per verify forward) overstates the speedup by that factor until the
   two branches are fused.
-- It proposes a single candidate through the chain verifier (see above);
-  `pool_lookup` already returns the top G for a tree verifier.
+- `Lookahead` proposes a single candidate through the chain verifier (see
+  above). `LookaheadTree` verifies the paper's G candidates at once: the
+  pool's top G continuations of `last` (plus the pre-verified next token and
+  its best continuation) merged into a trie (`tree.candidates_tree`) and
+  verified by the tree verifier -- deterministic candidates, one-hot q, so
+  exact for any sampling settings (`verify.tree_accept`, siblings in order).
 - The pool is a fixed-capacity table of P n-grams per row with least-recently-
   used replacement (the paper: up to G n-grams per key, LRU per key). It is
   seeded from the prompt's n-grams and receives every committed n-gram (the
@@ -267,9 +271,23 @@ class Lookahead(Drafter):
                           harvested=prompt_lengths.astype(jnp.int32), pool=pool)
 
   def propose(self, params, target, state, ctx, target_cache, keys):
+    cfg = target.cfg
+    pool, last, nxt, state, cache = self._lookahead(target, state, ctx, target_cache)
+    tokens, num = self.choose(pool, last, nxt)
+    if self.k <= self.ngram - 1:
+      tokens = tokens[:, :self.k]
+    else:
+      tokens = jnp.pad(tokens, ((0, 0), (0, self.k - (self.ngram - 1))),
+                       constant_values=cfg.pad_id)
+    num = jnp.where(ctx.active, jnp.minimum(num, self.k), 0).astype(jnp.int32)
+    num = cut_at_eos(tokens, num, cfg.eos_id)
+    proposal = Proposal(tokens=tokens, q=one_hot_q(tokens, cfg.vocab_size), num_proposed=num)
+    return proposal, state, cache
+
+  def _lookahead(self, target, state, ctx, target_cache):
+    """The round's lookahead forward and pool update -> (pool, last, nxt, state, cache)."""
     b = ctx.length.shape[0]
     n, w = self.ngram, self.window
-    cfg = target.cfg
     last = jnp.take_along_axis(ctx.history, (ctx.length - 1)[:, None], axis=1)[:, 0]
     window = state.window.at[:, 0, 0].set(last)
     nxt, top, cache = jacobi_step(target, window, ctx.length, target_cache, ctx.active)
@@ -282,16 +300,7 @@ class Lookahead(Drafter):
     act = ctx.active[:, None, None]
     state = state.replace(window=jnp.where(act, stack, state.window),
                           steps=state.steps + ctx.active.astype(jnp.int32), pool=pool)
-
-    tokens, num = self.choose(pool, last, nxt)
-    if self.k <= n - 1:
-      tokens = tokens[:, :self.k]
-    else:
-      tokens = jnp.pad(tokens, ((0, 0), (0, self.k - (n - 1))), constant_values=cfg.pad_id)
-    num = jnp.where(ctx.active, jnp.minimum(num, self.k), 0).astype(jnp.int32)
-    num = cut_at_eos(tokens, num, cfg.eos_id)
-    proposal = Proposal(tokens=tokens, q=one_hot_q(tokens, cfg.vocab_size), num_proposed=num)
-    return proposal, state, cache
+    return pool, last, nxt, state, cache
 
   def choose(self, pool: NgramPool, last: Int[Array, "B"], nxt: Int[Array, "B"]):
     """The single proposal for rows whose newest committed token is `last` and
@@ -320,3 +329,55 @@ class Lookahead(Drafter):
     pool = pool_insert(state.pool, first, cont, valid)
     harvested = jnp.where(ctx.active, ctx.length, state.harvested)
     return state.replace(pool=pool, harvested=harvested)
+
+
+@dataclasses.dataclass(frozen=True)
+class LookaheadTree(Lookahead):
+  """Lookahead decoding verifying its G candidates at once, as the paper does:
+  the pool's best `max_candidates` continuations of the newest committed
+  token, then (with `next_token`) the target's greedy next token followed by
+  the pool's best continuation of it, merged into a trie of depth N - 1 and
+  verified in the loop's one tree forward. `k` is the trie's depth (N - 1).
+  """
+
+  tree = True
+  name = "lookahead_tree"
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.k != self.ngram - 1:
+      raise ValueError(f"{self.name}: k is the trie's depth N - 1 = {self.ngram - 1}, "
+                       f"got {self.k}")
+
+  @property
+  def num_candidates(self) -> int:
+    return self.max_candidates + int(self.next_token)
+
+  @property
+  def num_nodes(self) -> int:
+    return self.num_candidates * (self.ngram - 1)
+
+  @property
+  def block(self) -> int:
+    return max(self.num_nodes + 1, (self.ngram - 1) * self.window)
+
+  def propose(self, params, target, state, ctx, target_cache, keys):
+    from specjax.decoding.tree import TreeProposal, candidates_tree  # pylint: disable=import-outside-toplevel
+    cfg = target.cfg
+    n = self.ngram
+    pool, last, nxt, state, cache = self._lookahead(target, state, ctx, target_cache)
+    cont, found = pool_lookup(pool, last, self.max_candidates, self.select)  # (B, G, N-1)
+    lengths = jnp.where(found, n - 1, 0)
+    if self.next_token:
+      cont2, found2 = pool_lookup(pool, nxt, 1, self.select)
+      fallback = jnp.concatenate([nxt[:, None], cont2[:, 0, :n - 2]], axis=1)
+      cont = jnp.concatenate([cont, fallback[:, None]], axis=1)
+      lengths = jnp.concatenate([lengths, jnp.where(found2[:, :1], n - 1, 1)], axis=1)
+    # a drafted EOS ends its candidate
+    is_eos = cont == cfg.eos_id
+    first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n - 1)
+    lengths = jnp.where(ctx.active[:, None], jnp.minimum(lengths, first_eos), 0)
+    tokens, parent = candidates_tree(cont, lengths.astype(jnp.int32))
+    num = jnp.where(ctx.active, self.num_nodes, 0).astype(jnp.int32)
+    return (TreeProposal(tokens=tokens, parent=parent, q=one_hot_q(tokens, cfg.vocab_size),
+                         num_nodes=num), state, cache)

@@ -39,7 +39,9 @@ None fields take the defaults below); it is typically the run's ConfigDict:
                  nodes expanded per depth, reranked to tree_nodes (greedy or
                  tree_mode 'topk'); tree_mode 'wor' keeps every sampled child
   lookahead      k and the fields `specjax.drafters.lookahead.Lookahead` declares
-                 (available once that module exists)
+                 (window, ngram, max_candidates, pool_size, select, next_token)
+  lookahead_tree the same, verifying its max_candidates (+1) candidates as a
+                 trie of depth ngram - 1 in one tree forward
 
 A method name may carry its own field values after '@', so one run compares
 settings side by side: 'eagle3_tree@tree_nodes=8', 'eagle@k=2@draft_vocab=full'
@@ -80,6 +82,7 @@ _CHECKPOINT_KIND = {"medusa": "medusa", "blockwise": "medusa", "eagle": "eagle",
                     "eagle3": "eagle3", "medusa_tree": "medusa", "eagle_tree": "eagle",
                     "eagle3_tree": "eagle3"}
 LOOKAHEAD_MODULE = "specjax.drafters.lookahead"
+LOOKAHEAD_METHODS = ("lookahead", "lookahead_tree")
 
 
 def add_config_fields(c) -> None:
@@ -145,7 +148,7 @@ def parse_method(method: str) -> tuple[str, dict]:
   """'eagle3_tree@tree_nodes=8@k=3' -> ('eagle3_tree', {'tree_nodes': 8, 'k': 3})."""
   base, *parts = str(method).split("@")
   allowed = _config_fields()
-  if base == "lookahead" and importlib.util.find_spec(LOOKAHEAD_MODULE) is not None:
+  if base in LOOKAHEAD_METHODS and importlib.util.find_spec(LOOKAHEAD_MODULE) is not None:
     cls = getattr(importlib.import_module(LOOKAHEAD_MODULE), "Lookahead")
     allowed = allowed | {f.name for f in dataclasses.fields(cls) if f.init}
   overrides = {}
@@ -188,7 +191,7 @@ def method_config(method: str, config) -> tuple[str, Any]:
 def available_methods() -> tuple:
   """Method names make_drafter accepts here (lookahead only once its module exists)."""
   if importlib.util.find_spec(LOOKAHEAD_MODULE) is not None:
-    return BUILTIN + ("lookahead",)
+    return BUILTIN + LOOKAHEAD_METHODS
   return BUILTIN
 
 
@@ -356,7 +359,7 @@ def medusa_tree_choices(top1, nodes: int) -> tuple:
   return tree_from_accuracies(geometric_accuracies(top1, max(1, min(nodes, 16))), nodes)
 
 
-def _lookahead(config, k: int):
+def _lookahead(config, k: int, tree: bool = False):
   try:
     module = importlib.import_module(LOOKAHEAD_MODULE)
   except ModuleNotFoundError as e:
@@ -364,10 +367,10 @@ def _lookahead(config, k: int):
       raise
     raise ValueError("method 'lookahead' is not available: specjax/drafters/lookahead.py does "
                      f"not exist yet; available: {', '.join(available_methods())}") from None
-  cls = getattr(module, "Lookahead")
+  cls = getattr(module, "LookaheadTree" if tree else "Lookahead")
   kwargs = {f.name: _field(config, f.name) for f in dataclasses.fields(cls)
             if f.init and f.name != "k" and _field(config, f.name) is not None}
-  return cls(k=k, **kwargs)
+  return cls(k=None if tree else k, **kwargs)  # a trie's depth is N - 1
 
 
 def make_drafter(method: str, config, target_model, *, reference=None,
@@ -385,7 +388,7 @@ def make_drafter(method: str, config, target_model, *, reference=None,
   """
   method, config = method_config(method, config)
   methods = available_methods()
-  if method not in methods and method != "lookahead":
+  if method not in methods and method not in LOOKAHEAD_METHODS:
     raise ValueError(f"unknown drafting method {method!r}; available: {', '.join(methods)}")
   k = _k(config)
   sampling = sampling or sampling_of(config)
@@ -449,4 +452,4 @@ def make_drafter(method: str, config, target_model, *, reference=None,
     drafter = cls(k=k, sampling=sampling)
     drafter.check(cfg, params)
     return drafter, params
-  return _lookahead(config, k), None
+  return _lookahead(config, k, tree=method == "lookahead_tree"), None
