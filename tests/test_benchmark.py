@@ -201,3 +201,28 @@ def test_registry_builds_every_method(smollm2):
   if "lookahead" in registry.available_methods():
     d, _ = registry.make_drafter("lookahead", {"k": 3}, smollm2)
     assert d.name == "lookahead" and d.k == 3
+
+
+def test_paper_tables_end_to_end(smollm2, tmp_path):
+  """Every table on the fixture prompts (prompt lookup; 8 tokens): files written,
+  rows consistent with the runs behind them."""
+  from specjax.benchmarks import paper_tables  # pylint: disable=import-outside-toplevel
+  c = _config(tmp_path, methods="prompt_lookup")
+  with c.unlocked():
+    c.tables, c.ks, c.batch_sizes = "all", "1,2", "1,2"
+  out = paper_tables.run(c, model=smollm2, progress=lambda line: None)
+  for name in paper_tables.TABLES:
+    for ext in ("md", "json", "png"):
+      assert os.path.getsize(os.path.join(c.out, name, f"{name}.{ext}")) > 0, (name, ext)
+  lev = out["leviathan"]["rows"][0]
+  assert 0 <= lev["alpha_greedy"] <= 1 and 0 <= lev["alpha_T=1"] <= 1
+  assert [r["k"] for r in out["gamma"]["rows"]] == [1, 2]
+  assert all(r["speedup"] > 0 and r["theorem_3_8"] > 0 for r in out["gamma"]["rows"])
+  assert [r["batch_size"] for r in out["batch"]["rows"]] == [1, 2]
+  exp = out["expected"]["rows"]
+  assert [r["k"] for r in exp] == [1, 2, 3, 4]
+  # k' = k: the histogram's own mean tokens per round
+  assert exp[-1]["measured_tokens"] >= exp[0]["measured_tokens"] >= 1.0
+  with pytest.raises(ValueError, match="unknown table"):
+    c.tables = "nope"
+    paper_tables.run(c, model=smollm2)

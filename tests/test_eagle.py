@@ -193,6 +193,16 @@ def _fresh_proposal(m, drafter, dparams, state, keys):
   return prop
 
 
+def _live_and_fresh(m, drafter, dparams, state, seed):
+  """The next proposal from the live drafter state and from a fresh prefill."""
+  keys = jax.random.split(jax.random.key(seed), 2)
+  ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
+                active=~state.done)
+  live, _, _ = drafter.propose(dparams, Target(m.params, m.cfg), state.drafter, ctx,
+                               state.cache, keys)
+  return live, _fresh_proposal(m, drafter, dparams, state, keys)
+
+
 @pytest.mark.parametrize("name", ["eagle", "eagle3"])
 def test_state_equals_a_fresh_prefill_after_every_kind_of_round(trained, tiny_target, name):
   m = tiny_target
@@ -212,12 +222,7 @@ def test_state_equals_a_fresh_prefill_after_every_kind_of_round(trained, tiny_ta
       state = _round(m.params, m.cfg, drafter, dparams,
                      sp.SpecConfig(sampling=sampling_lib.GREEDY, rule=_forced_rule(n)), state)
       assert (np.asarray(state.length) - before).tolist() == [n + 1] * 2, label
-      keys = jax.random.split(jax.random.key(100 + i), 2)
-      ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
-                    active=~state.done)
-      live, _, _ = drafter.propose(dparams, Target(m.params, m.cfg), state.drafter, ctx,
-                                   state.cache, keys)
-      fresh = _fresh_proposal(m, drafter, dparams, state, keys)
+      live, fresh = _live_and_fresh(m, drafter, dparams, state, 100 + i)
       same = (np.array_equal(np.asarray(live.tokens), np.asarray(fresh.tokens)) and
               np.allclose(np.asarray(live.q), np.asarray(fresh.q), atol=1e-5))
       if must_match:
@@ -249,12 +254,7 @@ def test_tree_state_equals_a_fresh_prefill_after_each_round(trained, tiny_target
     before = np.asarray(state.length)
     state = _tree_round(m.params, m.cfg, drafter, dparams, spec, state)
     accepted |= set((np.asarray(state.length) - before - 1).tolist())
-    keys = jax.random.split(jax.random.key(100 + i), 2)
-    ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
-                  active=~state.done)
-    live, _, _ = drafter.propose(dparams, Target(m.params, m.cfg), state.drafter, ctx,
-                                 state.cache, keys)
-    fresh = _fresh_proposal(m, drafter, dparams, state, keys)
+    live, fresh = _live_and_fresh(m, drafter, dparams, state, 100 + i)
     np.testing.assert_array_equal(live.tokens, fresh.tokens, err_msg=f"round {i}")
     np.testing.assert_array_equal(live.parent, fresh.parent, err_msg=f"round {i}")
   assert len(accepted) > 1, accepted  # rounds of different accepted lengths were covered

@@ -71,7 +71,8 @@ TURN_IDS = 16
 # Settings that change a record's numbers; a resumed log must match them.
 SETTINGS = ("model", "dtype", "k", "temperature", "top_k", "top_p", "batch_size",
             "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model",
-            "checkpoint", "draft_vocab")
+            "checkpoint", "draft_vocab", "tree_nodes", "tree_mode", "tree_topk", "tree_width",
+            "draft_stop")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -90,7 +90,10 @@ class SpecConfig:
 
   `narrow_verify`: when no active row proposed a guess (prompt lookup without
   a match), verify with a 1-token forward instead of K + 1 (a K + 1 forward
-  costs ~1.5x a 1-token one on CPU); the emitted token is the same.
+  costs ~1.5x a 1-token one on CPU); the emitted token is the same. Drafters
+  whose proposals vary in length (`Drafter.verify_widths`, e.g. a dynamic
+  draft length) are verified at the narrowest of their widths that holds
+  every active row's proposal.
   """
 
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY  # the target's p

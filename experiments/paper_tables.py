@@ -1,0 +1,35 @@
+"""The papers' tables measured on this machine: alpha (Leviathan et al. Table
+3's form), the draft-length sweep against Theorem 3.8, the batch-size sweep,
+the expected-tokens curve. Each writes markdown + JSON + PNG under
+`out/<table>/`; the runs behind them resume where they stopped.
+
+  python experiments/paper_tables.py --config=configs/paper_tables.py \
+      --config.tables=gamma,expected --config.methods=draft_model,eagle3
+"""
+
+import os
+import sys
+
+import jax
+from absl import app
+from ml_collections import config_flags
+
+from specjax.benchmarks import paper_tables
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/paper_tables.py",
+                                          "Run configuration.")
+
+
+def main(argv):
+  del argv
+  jax.config.update("jax_compilation_cache_dir", os.environ.get(
+      "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  out = paper_tables.run(_CONFIG.value,
+                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+  for name, table in out.items():
+    print(f"## {name}\n\n{table['markdown']}")
+
+
+if __name__ == "__main__":
+  app.run(main)

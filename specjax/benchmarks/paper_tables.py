@@ -1,0 +1,217 @@
+"""The papers' tables, measured here: each one a set of Spec-Bench runs
+(`specbench.run_benchmark`, resumable, AR measured interleaved in the same
+process) summarised into markdown + JSON + PNG under `out/<table>/`.
+
+  leviathan  acceptance rate alpha (and tau) of every method under greedy and
+             T = 1 (Leviathan et al. 2023, Table 3's form)
+  gamma      the draft-length sweep: measured walltime improvement at each k
+             next to Theorem 3.8's value from the measured alpha and cost c,
+             and the calibrated prediction (measured verify costs); the
+             optimal k of each
+  batch      speedup of each method vs batch size B (B consecutive prompts
+             of a category decoded together): where speculation stops paying
+  expected   the expected-tokens curve (1 - alpha^(k+1)) / (1 - alpha)
+             against measured tokens per round, for every k' <= k read off
+             the acceptance histogram of a k-run
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from specjax.analysis import theory
+from specjax.benchmarks import specbench
+from specjax.drafters import registry
+
+TABLES = ("leviathan", "gamma", "batch", "expected")
+
+
+def _sub(c, out: str, **fields):
+  """A copy of the run config with `fields` changed and its own out dir."""
+  sub = copy.deepcopy(c)
+  with sub.unlocked():
+    for k, v in fields.items():
+      setattr(sub, k, v)
+    sub.out = out
+  return sub
+
+
+def _methods(c) -> List[str]:
+  return [m.strip() for m in str(c.methods).split(",") if m.strip()]
+
+
+def _overall(results) -> Dict[str, dict]:
+  return {r["method"]: r for r in results if r["category"] == specbench.ALL}
+
+
+def _write(out: str, name: str, rows: List[dict], md_lines: List[str],
+           plot: Optional[Callable] = None) -> dict:
+  """out/name.{json,md,png} -> {"rows", "markdown"}."""
+  md = "\n".join(md_lines) + "\n"
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, f"{name}.json"), "w") as f:
+    json.dump(rows, f, indent=1)
+  with open(os.path.join(out, f"{name}.md"), "w") as f:
+    f.write(md)
+  if plot is not None:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    fig, ax = plt.subplots(figsize=(6, 4))
+    plot(ax)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, f"{name}.png"), dpi=120)
+    plt.close(fig)
+  return {"rows": rows, "markdown": md}
+
+
+def _f(x, spec="{:.2f}"):
+  return "-" if x is None or (isinstance(x, float) and not np.isfinite(x)) else spec.format(x)
+
+
+def leviathan(c, model=None, progress=None) -> dict:
+  out = os.path.join(c.out, "leviathan")
+  runs = {}
+  for label, temp in (("greedy", 0.0), ("T=1", 1.0)):
+    sub = _sub(c, os.path.join(out, label.replace("=", "")), temperature=temp)
+    runs[label] = _overall(specbench.run_benchmark(sub, model=model, progress=progress)["results"])
+  rows = [{"method": m, **{f"alpha_{lab}": runs[lab][m]["alpha"] for lab in runs},
+           **{f"tau_{lab}": runs[lab][m]["tau"] for lab in runs},
+           **{f"speedup_{lab}": runs[lab][m]["speedup"] for lab in runs}, "k": runs["greedy"][m]["k"]}
+          for m in _methods(c)]
+  md = ["| method | k | alpha (greedy) | alpha (T = 1) | tau (greedy) | tau (T = 1) | "
+        "speedup (greedy) | speedup (T = 1) |", "|---|---|---|---|---|---|---|---|"]
+  md += [f"| {r['method']} | {r['k']} | {_f(r['alpha_greedy'])} | {_f(r['alpha_T=1'])} | "
+         f"{_f(r['tau_greedy'])} | {_f(r['tau_T=1'])} | {_f(r['speedup_greedy'])}x | "
+         f"{_f(r['speedup_T=1'])}x |" for r in rows]
+
+  def plot(ax):
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["alpha_greedy"] or 0 for r in rows], 0.4, label="greedy")
+    ax.bar(x + 0.2, [r["alpha_T=1"] or 0 for r in rows], 0.4, label="T = 1")
+    ax.set_xticks(x, [r["method"] for r in rows], rotation=30, ha="right")
+    ax.set_ylabel("alpha"); ax.legend()
+
+  return _write(out, "leviathan", rows, md, plot)
+
+
+def gamma(c, model=None, progress=None) -> dict:
+  out = os.path.join(c.out, "gamma")
+  ks = [int(k) for k in str(c.ks).split(",")]
+  rows = []
+  for m in _methods(c):
+    sub = _sub(c, os.path.join(out, m.replace("@", "_")),
+               methods=",".join(f"{m}@k={k}" for k in ks))
+    res = _overall(specbench.run_benchmark(sub, model=model, progress=progress)["results"])
+    for k in ks:
+      r = res[f"{m}@k={k}"]
+      rows.append({"method": m, "k": k, "alpha": r["alpha"], "tau": r["tau"],
+                   "speedup": r["speedup"], "theorem_3_8": r.get("theorem_3_8"),
+                   "predicted_speedup": r.get("predicted_speedup")})
+  md = ["| method | k | alpha | tau | measured | calibrated prediction | Thm 3.8 |",
+        "|---|---|---|---|---|---|---|"]
+  md += [f"| {r['method']} | {r['k']} | {_f(r['alpha'])} | {_f(r['tau'])} | {_f(r['speedup'])}x | "
+         f"{_f(r['predicted_speedup'])}x | {_f(r['theorem_3_8'])}x |" for r in rows]
+  md.append("")
+  for m in _methods(c):
+    mine = [r for r in rows if r["method"] == m]
+    best = lambda key: max(mine, key=lambda r: r[key] or 0)["k"]  # pylint: disable=cell-var-from-loop,unnecessary-lambda-assignment
+    md.append(f"- {m}: optimal k measured {best('speedup')}, calibrated {best('predicted_speedup')}, "
+              f"Thm 3.8 {best('theorem_3_8')}")
+
+  def plot(ax):
+    for m in _methods(c):
+      mine = [r for r in rows if r["method"] == m]
+      line, = ax.plot([r["k"] for r in mine], [r["speedup"] for r in mine], "o-", label=m)
+      ax.plot([r["k"] for r in mine], [r["theorem_3_8"] or np.nan for r in mine], ":",
+              color=line.get_color())
+      ax.plot([r["k"] for r in mine], [r["predicted_speedup"] or np.nan for r in mine], "--",
+              color=line.get_color())
+    ax.axhline(1, color="k", lw=0.5)
+    ax.set_xlabel("k (solid: measured, dashed: calibrated, dotted: Thm 3.8)")
+    ax.set_ylabel("speedup over AR"); ax.legend()
+
+  return _write(out, "gamma", rows, md, plot)
+
+
+def batch(c, model=None, progress=None) -> dict:
+  out = os.path.join(c.out, "batch")
+  sizes = [int(b) for b in str(c.batch_sizes).split(",")]
+  rows = []
+  for b in sizes:
+    sub = _sub(c, os.path.join(out, f"B{b}"), batch_size=b,
+               prompt_limit=max(b, int(c.prompt_limit or 1)))
+    res = _overall(specbench.run_benchmark(sub, model=model, progress=progress)["results"])
+    for m in _methods(c):
+      r = res[m]
+      rows.append({"method": m, "batch_size": b, "speedup": r["speedup"], "tau": r["tau"],
+                   "tokens_per_s": r["tokens_per_s"], "ar_tokens_per_s": r["ar_tokens_per_s"]})
+  md = ["| method | " + " | ".join(f"B = {b}" for b in sizes) + " |",
+        "|---|" + "---|" * len(sizes)]
+  for m in _methods(c):
+    by = {r["batch_size"]: r for r in rows if r["method"] == m}
+    md.append(f"| {m} | " + " | ".join(f"{_f(by[b]['speedup'])}x" for b in sizes) + " |")
+  md.append("| AR tok/s | " + " | ".join(
+      _f(next(r for r in rows if r["batch_size"] == b)["ar_tokens_per_s"], "{:.1f}")
+      for b in sizes) + " |")
+
+  def plot(ax):
+    for m in _methods(c):
+      mine = [r for r in rows if r["method"] == m]
+      ax.plot([r["batch_size"] for r in mine], [r["speedup"] for r in mine], "o-", label=m)
+    ax.axhline(1, color="k", lw=0.5); ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B"); ax.set_ylabel("speedup over AR at the same B"); ax.legend()
+
+  return _write(out, "batch", rows, md, plot)
+
+
+def expected(c, model=None, progress=None) -> dict:
+  out = os.path.join(c.out, "expected")
+  sub = _sub(c, os.path.join(out, "run"))
+  specbench.run_benchmark(sub, model=model, progress=progress)
+  records = specbench.read_log(os.path.join(sub.out, specbench.LOG))
+  rows = []
+  for m in _methods(c):
+    mine = [r for r in records if r["method"] == m and r.get("stats", {}).get("accept_hist")]
+    if not mine:
+      continue
+    hist = np.sum(np.asarray([r["stats"]["accept_hist"] for r in mine], np.int64), axis=0)
+    k = len(hist) - 1
+    # alpha: accepted / evaluated guesses (up to and including the first rejection)
+    evaluated = sum(r["stats"]["proposed"] for r in mine)
+    alpha = sum(r["stats"]["accepted"] for r in mine) / evaluated if evaluated else float("nan")
+    for kk in range(1, k + 1):
+      rows.append({"method": m, "k": kk, "alpha": alpha,
+                   "measured_tokens": theory.chain_tokens_from_histogram(hist, kk),
+                   "formula_tokens": float(theory.expected_tokens(alpha, kk))})
+  md = ["| method | k | alpha | measured tokens / round | (1 - alpha^(k+1)) / (1 - alpha) |",
+        "|---|---|---|---|---|"]
+  md += [f"| {r['method']} | {r['k']} | {_f(r['alpha'])} | {_f(r['measured_tokens'])} | "
+         f"{_f(r['formula_tokens'])} |" for r in rows]
+
+  def plot(ax):
+    for m in dict.fromkeys(r["method"] for r in rows):
+      mine = [r for r in rows if r["method"] == m]
+      line, = ax.plot([r["k"] for r in mine], [r["measured_tokens"] for r in mine], "o", label=m)
+      ax.plot([r["k"] for r in mine], [r["formula_tokens"] for r in mine], "-",
+              color=line.get_color())
+    ax.set_xlabel("k (points: measured; lines: i.i.d. formula)")
+    ax.set_ylabel("tokens per round"); ax.legend()
+
+  return _write(out, "expected", rows, md, plot)
+
+
+def run(c, model=None, progress=None) -> Dict[str, dict]:
+  """Run the tables named in `c.tables` (comma-separated, or 'all')."""
+  names = TABLES if str(c.tables) == "all" else [t.strip() for t in str(c.tables).split(",")]
+  for name in names:
+    if name not in TABLES:
+      raise ValueError(f"unknown table {name!r}; tables: {', '.join(TABLES)}")
+  for m in _methods(c):
+    registry.parse_method(m)  # fail before any work on a malformed method
+  return {name: globals()[name](c, model=model, progress=progress) for name in names}
