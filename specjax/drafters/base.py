@@ -167,12 +167,6 @@ def check_stop_below(name: str, stop_below) -> None:
                      f"must lie in [0, 1), got {stop_below!r}")
 
 
-def variable_widths(k: int) -> tuple:
-  """Verify widths for proposals of any length 1..k (the loop verifies at the
-  narrowest that holds every active row's proposal)."""
-  return tuple(range(2, k + 2))
-
-
 def parse_draft_vocab(draft_vocab, cfg):
   """A draft-vocabulary choice: None or '' (keep the drafter's own), 'full',
   or a number of tokens N in [1, V] (-> int)."""
@@ -272,8 +266,11 @@ class Drafter:
   def verify_widths(self) -> tuple:
     """Verify widths the loop may choose from each round: the narrowest that
     holds every active row's proposal (plus 1 token when none proposed, with
-    `SpecConfig.narrow_verify`). One width by default; drafters whose
-    proposals vary in length offer more (each is one more compiled forward)."""
+    `SpecConfig.narrow_verify`). One width by default; a chain with a dynamic
+    draft length (`stop_below` > 0) offers every width 2..k + 1 (each is one
+    more compiled forward)."""
+    if not self.tree and getattr(self, "stop_below", 0) > 0:
+      return tuple(range(2, self.k + 2))
     return (self.verify_width,)
 
   @property

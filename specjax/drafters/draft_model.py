@@ -26,8 +26,7 @@ import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
 from specjax.drafters.base import (Drafter, Proposal, cut_at_eos, draw_from, parse_draft_vocab,
-                                   ranked_vocab, sample_chain, check_stop_below,
-                                   variable_widths)
+                                   ranked_vocab, sample_chain, check_stop_below)
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -55,10 +54,6 @@ class DraftModel(Drafter):
     if self.cfg is None:
       raise ValueError("DraftModel needs the draft model's ModelConfig")
     check_stop_below(self.name, self.stop_below)
-
-  @property
-  def verify_widths(self) -> tuple:
-    return variable_widths(self.k) if self.stop_below > 0 else (self.k + 1,)
 
   @property
   def vocab_size(self):

@@ -53,8 +53,7 @@ import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
 from specjax.drafters.base import (Drafter, Proposal, cut_at_eos, draw_from, parse_draft_vocab,
-                                   ranked_vocab, sample_chain, check_stop_below,
-                                   variable_widths)
+                                   ranked_vocab, sample_chain, check_stop_below)
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -245,12 +244,6 @@ class Eagle(Drafter):
     if self.tree and self.stop_below:
       raise ValueError(f"{self.name}: stop_below is for chains (a tree's shape comes from "
                        "its node budget)")
-
-  @property
-  def verify_widths(self) -> tuple:
-    if self.tree or self.stop_below <= 0:
-      return (self.verify_width,)
-    return variable_widths(self.k)
 
   @property
   def block(self) -> int:
