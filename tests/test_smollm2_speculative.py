@@ -1,25 +1,22 @@
 """Speculative decoding on the real SmolLM2-135M: greedy identity with AR for
-every drafter on a prompt of every Spec-Bench category (one ragged batch), and
-the long-horizon PIT test under sampling."""
+the shipped (trained) drafters, prompt lookup and the tree verifier on a prompt
+of every Spec-Bench category (one ragged batch), and the long-horizon PIT test
+under sampling. Every drafter's exactness on its own is tested on tiny models
+(test_speculative, test_medusa, test_eagle, test_tree, the Monte-Carlo family)."""
 
 import json
 import os
 
-import jax
-import numpy as np
 import pytest
 
 from specjax import sampling as sampling_lib
-from specjax.analysis import exactness
 from specjax.analysis import greedy_identity
 from specjax.analysis import montecarlo as mc
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
-from specjax.drafters.draft_model import DraftModel, truncated_model
 from specjax.drafters.layer_skip import LayerSkip
 from specjax.drafters.prompt_lookup import PromptLookup
-from specjax.drafters.replay import AlwaysReject, Replay, replay_params
 
 SPEC_BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "spec_bench",
                           "question_excl_mtbench.jsonl")
@@ -61,36 +58,32 @@ def delta(smollm2, category_prompts, ar_reference):
   return 10 * max(diff, 1e-5)
 
 
-def _drafters(model, reference):
-  dparams, dcfg = truncated_model(model.params, model.cfg, 6)
+def _drafters(model):
+  """The drafters with trained or model-derived parts, on the real model (every
+  drafter's greedy identity, including blockwise, layer skipping, replay and
+  always-reject, is tested on tiny models in test_speculative / test_medusa /
+  test_eagle / test_tree; here: the shipped weights and the tree verifier)."""
   return [
       registry.make_drafter("medusa", {"k": 3}, model),  # the shipped heads
-      registry.make_drafter("blockwise", {"k": 3}, model),
       registry.make_drafter("medusa_tree", {"k": 3, "tree_nodes": 16}, model),  # tree verify
       registry.make_drafter("eagle", {"k": 3}, model),  # shipped, reduced vocabulary
       registry.make_drafter("eagle3", {"k": 3, "draft_vocab": "full"}, model),
       registry.make_drafter("eagle3_tree", {"k": 3, "tree_nodes": 16}, model),
       (PromptLookup(k=4), None),
-      (LayerSkip(k=3, layers=tuple(range(0, 30, 2))), None),
-      (DraftModel(k=3, cfg=dcfg), dparams),
       registry.make_drafter("draft_model", {"k": 3}, model),  # shipped: distilled, 8192 vocab
-      (Replay(k=4), replay_params(reference)),
-      (AlwaysReject(k=2), None),
   ]
 
 
-def test_greedy_identity_every_drafter_every_category(smollm2, category_prompts, ar_reference,
+def test_greedy_identity_shipped_drafters_every_category(smollm2, category_prompts, ar_reference,
                                                       delta):
   near_ties = 0
-  for drafter, dparams in _drafters(smollm2, ar_reference):
+  for drafter, dparams in _drafters(smollm2):
     res = sp.generate(smollm2.params, smollm2.cfg, drafter, category_prompts,
                       draft_params=dparams, max_new_tokens=NEW)
     for prompt, ref, got in zip(category_prompts, ar_reference, res.tokens):
       cmp = greedy_identity.compare(smollm2.params, smollm2.cfg, prompt, ref, got, delta)
       assert cmp.status != "diverged", (drafter.name, cmp, delta)
       near_ties += cmp.status == "near_tie"
-    if drafter.name == "replay":
-      assert res.alpha > 0.95, res.stats
   assert near_ties <= 2, near_ties  # reported; more would suggest a real bug
 
 
@@ -112,7 +105,7 @@ def test_long_horizon_pit_on_smollm2(smollm2, category_prompts):
   assert result.pooled_pvalue > 1e-3, result
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle", "eagle3", "draft_model", "eagle3_tree"])
+@pytest.mark.parametrize("method", ["medusa", "draft_model", "eagle3_tree"])
 def test_long_horizon_pit_shipped_heads(smollm2, category_prompts, method):
   """Shipped drafters sampling at T = 1 for a T = 0.8 target: PIT-uniform
   (draft_model: the shipped distilled one; eagle3_tree: a sampled EAGLE-2 tree,
