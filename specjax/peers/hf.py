@@ -1,18 +1,43 @@
-"""HF transformers as a peer: the same GGUF file, dequantized by transformers.
+"""HF transformers as a peer: the same weights (the GGUF file dequantized by
+transformers, or an HF-format directory), greedy AR and transformers' own
+speculative modes.
 
 transformers and torch are the optional `peers` extra, imported on first use.
 
-Prefill and decode are timed apart, the same way as specjax's
-`GenerateResult` (prefill_s ends when the first new token exists; decode_s is
-the rest): a streamer records when `generate` hands over each token. Its first
-call carries the prompt, its second the first new token, so
+Modes (all greedy, batch of one):
 
-  prefill_s = t(first new token) - t(start)
-  decode_s  = t(end) - t(first new token),  decode tokens/s = (n - 1) / decode_s.
+* `hf_greedy_generate`: plain autoregressive `generate`.
+* `hf_assisted_generate`: assisted generation with an assistant (draft)
+  model, `k` guesses per round, constant schedule, no confidence stop. In
+  transformers 5.x the candidate generator reads `num_assistant_tokens`,
+  `num_assistant_tokens_schedule` and `assistant_confidence_threshold` from
+  the *assistant's* generation config (generation/candidate_generator.py:
+  `AssistedCandidateGenerator.__init__` deep-copies
+  `assistant_model.generation_config`); values passed to `generate()` land in
+  the target's config and are ignored there. So they are set on the
+  assistant. The default threshold (0.4) would stop drafting early; 0 turns
+  it off, like specjax's `draft_stop=0`.
+* `hf_prompt_lookup_generate`: prompt lookup decoding
+  (`prompt_lookup_num_tokens=k`, `max_matching_ngram_size=n`): the last n..1
+  tokens are searched in the prompt + output, the EARLIEST match's
+  continuation (up to k tokens) is proposed. (specjax's prompt_lookup
+  proposes the most recent match.)
+
+Prefill and decode are timed apart, the same way as specjax's
+`GenerateResult` (prefill_s ends when the first new tokens exist; decode_s is
+the rest): a streamer records when `generate` hands over tokens. Its first
+call carries the prompt, its second the first new tokens -- one token for AR,
+the first round's accepted guesses plus the bonus token for the speculative
+modes (whose first round runs inside prefill, as their target prefill
+verifies the first guesses) -- so
+
+  prefill_s = t(first new tokens) - t(start)
+  decode_s  = t(end) - t(first new tokens),
+  decode tokens/s = (n - first_tokens) / decode_s.
 
 This separates the two phases inside one run, so no difference of two noisy runs
 (generate with max_new_tokens=1 and with N) is needed. On the CPU `generate`
-already syncs on every token to check for EOS, so the streamer adds no sync.
+already syncs on every round to check for EOS, so the streamer adds no sync.
 """
 
 from __future__ import annotations
@@ -20,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 EXTRA_HINT = 'pip install -e ".[peers]"  (transformers, accelerate; torch)'
 
@@ -46,13 +71,23 @@ def available() -> bool:
   return all(importlib.util.find_spec(m) is not None for m in ("torch", "transformers"))
 
 
-def load_hf_gguf(path: str):
-  """AutoModelForCausalLM from a GGUF file, float32, eval mode."""
+def load_hf_gguf(path: str, dtype: str = "float32"):
+  """AutoModelForCausalLM from a GGUF file (dequantized), eval mode."""
   torch, transformers = _import_peers()
   folder, name = os.path.split(os.path.abspath(path))
   model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
-                                                            dtype=torch.float32)
+                                                            dtype=getattr(torch, dtype))
   return model.eval()
+
+
+def load_hf_model(path: str, dtype: str = "float32"):
+  """A causal LM from a GGUF file or an HF-format directory (e.g. a draft model
+  written by experiments/export.py, which LlamaForCausalLM loads), eval mode."""
+  if str(path).endswith(".gguf"):
+    return load_hf_gguf(path, dtype)
+  torch, transformers = _import_peers()
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      path, dtype=getattr(torch, dtype)).eval()
 
 
 @dataclasses.dataclass
@@ -60,59 +95,130 @@ class HFResult:
   """One greedy generation by transformers (batch of one)."""
 
   tokens: list  # emitted token ids (EOS included when hit)
-  prefill_s: float  # start of generate -> first new token
-  decode_s: float  # first new token -> end of generate
+  prefill_s: float  # start of generate -> first new tokens
+  decode_s: float  # first new tokens -> end of generate
+  first_tokens: int = 1  # tokens handed over with the first new ones (prefill's share)
+  rounds: Optional[int] = None  # target forwards after prefill (streamer hand-overs)
+
+  @property
+  def decode_tokens(self) -> int:
+    return len(self.tokens) - self.first_tokens
 
   @property
   def decode_tokens_per_s(self) -> float:
-    n = len(self.tokens) - 1
-    return n / self.decode_s if self.decode_s > 0 else float("nan")
+    return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
 
 class _TokenClock:
-  """A generate() streamer that only timestamps each put (duck-typed BaseStreamer)."""
+  """A generate() streamer that only timestamps each put and counts its tokens
+  (duck-typed BaseStreamer)."""
 
   def __init__(self):
     self.times = []
+    self.counts = []
 
   def put(self, value):
-    del value
     self.times.append(time.perf_counter())
+    self.counts.append(int(value.shape[-1]) if value.dim() else 1)
 
   def end(self):
     pass
 
 
-def settings(model=None) -> dict:
+def set_threads(threads: Optional[int] = None) -> int:
+  """torch's intra-op threads (default: all CPU cores) -> the number set."""
+  torch, _ = _import_peers()
+  torch.set_num_threads(threads or os.cpu_count() or 1)
+  return torch.get_num_threads()
+
+
+def configure_assistant(assistant, k: int) -> None:
+  """Make `assistant` draft exactly k guesses per round (see the module docstring)."""
+  if not isinstance(k, int) or k < 1:
+    raise ValueError(f"num_assistant_tokens must be an integer >= 1, got {k!r}")
+  g = assistant.generation_config
+  g.num_assistant_tokens = k
+  g.num_assistant_tokens_schedule = "constant"
+  g.assistant_confidence_threshold = 0.0
+
+
+def settings(model=None, *, mode: str = "ar", assistant=None, k: Optional[int] = None,
+             max_ngram: Optional[int] = None) -> dict:
   """How the peer runs: recorded next to its numbers."""
   torch, transformers = _import_peers()
-  return {
+  out = {
       "threads": torch.get_num_threads(),
       "torch": torch.__version__,
       "transformers": transformers.__version__,
       "dtype": str(next(model.parameters()).dtype) if model is not None else "torch.float32",
       "inference_mode": True,
       "do_sample": False,
-      "timing": "streamer timestamps: prefill = start -> first token, decode = rest",
+      "mode": mode,
+      "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+      "timing": "streamer timestamps: prefill = start -> first new tokens, decode = rest; "
+                "warm-up runs excluded",
   }
+  if mode == "assisted":
+    g = assistant.generation_config if assistant is not None else None
+    out.update({
+        "k": k,
+        "num_assistant_tokens": g.num_assistant_tokens if g else k,
+        "num_assistant_tokens_schedule": g.num_assistant_tokens_schedule if g else "constant",
+        "assistant_confidence_threshold": g.assistant_confidence_threshold if g else 0.0,
+        "assistant_dtype": (str(next(assistant.parameters()).dtype)
+                            if assistant is not None else None),
+        "assistant_layers": (assistant.config.num_hidden_layers
+                             if assistant is not None else None),
+        "assistant_vocab": assistant.config.vocab_size if assistant is not None else None,
+    })
+  elif mode == "prompt_lookup":
+    out.update({"k": k, "prompt_lookup_num_tokens": k, "max_matching_ngram_size": max_ngram,
+                "min_ngram": 1, "match": "earliest occurrence, n-gram from max down to 1"})
+  return out
 
 
-def hf_greedy_generate(model, prompt_ids: Sequence[int], max_new_tokens: int) -> HFResult:
-  """Greedy continuation of one token-id prompt, on all CPU cores.
-
-  Stops at the model's EOS (as specjax does) or after max_new_tokens.
-  """
+def _generate(model, prompt_ids: Sequence[int], max_new_tokens: int, threads: Optional[int],
+              **mode) -> HFResult:
   torch, _ = _import_peers()
-  torch.set_num_threads(os.cpu_count() or 1)
+  set_threads(threads)
   ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
   clock = _TokenClock()
   with torch.inference_mode():
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, temperature=None, top_p=None, top_k=None,
-                         streamer=clock, pad_token_id=model.generation_config.eos_token_id)
+                         streamer=clock, pad_token_id=model.generation_config.eos_token_id,
+                         **mode)
     t_end = time.perf_counter()
   tokens = out[0, ids.shape[1]:].tolist()
   if len(clock.times) < 2:
     raise RuntimeError("generate() produced no token")
-  return HFResult(tokens=tokens, prefill_s=clock.times[1] - t0, decode_s=t_end - clock.times[1])
+  return HFResult(tokens=tokens, prefill_s=clock.times[1] - t0, decode_s=t_end - clock.times[1],
+                  first_tokens=clock.counts[1], rounds=len(clock.times) - 2)
+
+
+def hf_greedy_generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
+                       threads: Optional[int] = None) -> HFResult:
+  """Greedy continuation of one token-id prompt (default: on all CPU cores).
+
+  Stops at the model's EOS (as specjax does) or after max_new_tokens.
+  """
+  return _generate(model, prompt_ids, max_new_tokens, threads)
+
+
+def hf_assisted_generate(model, assistant, prompt_ids: Sequence[int], max_new_tokens: int,
+                         k: int, threads: Optional[int] = None) -> HFResult:
+  """Greedy assisted generation: `assistant` drafts k tokens per round, the
+  target verifies them in one forward (the same vocabulary: no translation)."""
+  configure_assistant(assistant, k)
+  return _generate(model, prompt_ids, max_new_tokens, threads, assistant_model=assistant)
+
+
+def hf_prompt_lookup_generate(model, prompt_ids: Sequence[int], max_new_tokens: int, k: int,
+                              max_ngram: int, threads: Optional[int] = None) -> HFResult:
+  """Greedy prompt lookup decoding: up to k guesses copied after an n-gram match
+  (n from max_ngram down to 1)."""
+  if k < 1 or max_ngram < 1:
+    raise ValueError(f"prompt lookup needs k >= 1 and max_ngram >= 1, got {k}, {max_ngram}")
+  return _generate(model, prompt_ids, max_new_tokens, threads, prompt_lookup_num_tokens=k,
+                   max_matching_ngram_size=max_ngram)

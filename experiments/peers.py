@@ -1,0 +1,38 @@
+"""specjax side by side with HF transformers and llama.cpp on the same prompts.
+
+  python experiments/peers.py --config=configs/peers.py
+  python experiments/peers.py --config=configs/peers.py:quick --config.out=/tmp/peers_quick
+
+Writes out/results.json, out/results.md and out/log.jsonl (resumable); prints
+the markdown table.
+"""
+
+import os
+import sys
+
+import jax
+from absl import app
+from ml_collections import config_flags
+
+from specjax.benchmarks import peers
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/peers.py", "Run configuration.")
+
+
+def _progress(line: str) -> None:
+  sys.stderr.write(line + "\n")
+  sys.stderr.flush()
+
+
+def main(argv):
+  del argv
+  # Compiles are excluded from the timings; the cache only saves their wall time.
+  jax.config.update("jax_compilation_cache_dir", os.environ.get(
+      "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  out = peers.run_peers(_CONFIG.value, progress=_progress)
+  print(out["markdown"])
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,148 @@
+"""llama.cpp (through llama-cpp-python) as a peer: the same GGUF file with its
+own quantized kernels, greedy AR and its prompt lookup decoding.
+
+llama-cpp-python is the optional `llamacpp` extra, imported on first use; the
+peers benchmark skips this peer when it is absent. Its wheel compiles
+llama.cpp (~10 min); on CPUs where the default build dies with "Illegal
+instruction" build it with
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+              -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF"
+
+Modes (greedy: temperature 0 selects llama.cpp's greedy sampler; no repeat
+penalty):
+
+* AR: `Llama.generate` one token per forward.
+* prompt lookup: `Llama(draft_model=LlamaPromptLookupDecoding(
+  max_ngram_size=n, num_pred_tokens=k))` -- the last n..1 tokens are searched
+  in the whole context, the earliest match's continuation (up to k tokens) is
+  evaluated with the next token in one batch, and the guesses after the first
+  mismatch are removed from the KV cache. (It makes llama-cpp-python compute
+  logits for every position, also in rounds without guesses.)
+
+Timing as the other peers: prefill ends when the first new token is handed
+over by the generator; decode is the rest, tokens after the first over the
+time after the first. Each run starts from an empty context (`reset()`), so a
+repeat never reuses the previous run's prompt cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import time
+from typing import Optional, Sequence
+
+EXTRA_HINT = ('pip install -e ".[llamacpp]"  (llama-cpp-python; it builds llama.cpp, '
+              "~10 min)")
+
+
+def available() -> bool:
+  """Whether llama-cpp-python can be imported (without importing it)."""
+  return importlib.util.find_spec("llama_cpp") is not None
+
+
+def _import():
+  try:
+    import llama_cpp  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(
+        f"the llama.cpp peer needs the optional 'llamacpp' extra: {EXTRA_HINT} ({e})") from e
+  return llama_cpp
+
+
+def has_prompt_lookup() -> bool:
+  """Whether this llama-cpp-python offers prompt lookup decoding."""
+  _import()
+  try:
+    from llama_cpp import llama_speculative  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return False
+  return hasattr(llama_speculative, "LlamaPromptLookupDecoding")
+
+
+@dataclasses.dataclass
+class LlamaCppResult:
+  """One greedy generation by llama.cpp (batch of one)."""
+
+  tokens: list  # emitted token ids (EOS included when hit)
+  prefill_s: float  # start -> first new token
+  decode_s: float  # first new token -> last
+
+  @property
+  def decode_tokens(self) -> int:
+    return len(self.tokens) - 1
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def load(path: str, *, n_ctx: int = 4096, threads: Optional[int] = None,
+         prompt_lookup: Optional[tuple] = None):
+  """A `llama_cpp.Llama` on a GGUF file.
+
+  Args:
+    n_ctx: context size (prompt + new tokens + guesses must fit).
+    threads: threads for decode and prompt batches (default: all CPU cores).
+    prompt_lookup: (k, max_ngram) to decode with prompt lookup; None for AR.
+  """
+  llama_cpp = _import()
+  threads = threads or os.cpu_count() or 1
+  draft = None
+  if prompt_lookup is not None:
+    if not has_prompt_lookup():
+      raise ImportError("this llama-cpp-python has no llama_speculative.LlamaPromptLookupDecoding")
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # pylint: disable=import-outside-toplevel
+    k, ngram = prompt_lookup
+    draft = LlamaPromptLookupDecoding(max_ngram_size=int(ngram), num_pred_tokens=int(k))
+  return llama_cpp.Llama(model_path=str(path), n_ctx=int(n_ctx), n_threads=threads,
+                         n_threads_batch=threads, seed=0, draft_model=draft, verbose=False)
+
+
+def settings(llm, *, mode: str = "ar", k: Optional[int] = None,
+             max_ngram: Optional[int] = None) -> dict:
+  llama_cpp = _import()
+  out = {
+      "llama_cpp_python": getattr(llama_cpp, "__version__", None),
+      "threads": llm.n_threads,
+      "threads_batch": llm.n_threads_batch,
+      "n_ctx": llm.n_ctx(),
+      "weights": "the GGUF's own quantized tensors",
+      "sampler": "greedy (temp=0), repeat_penalty=1",
+      "mode": mode,
+      "timing": "generator hand-overs: prefill = start -> first token, decode = rest; "
+                "warm-up runs excluded; context reset before each run",
+  }
+  if mode == "prompt_lookup":
+    out.update({"k": k, "num_pred_tokens": k, "max_ngram_size": max_ngram, "min_ngram": 1,
+                "match": "earliest occurrence, n-gram from max down to 1"})
+  return out
+
+
+def greedy_generate(llm, prompt_ids: Sequence[int], max_new_tokens: int,
+                    eos_ids: Sequence[int] = ()) -> LlamaCppResult:
+  """Greedy continuation of one token-id prompt; stops after an id in `eos_ids`
+  (and the model's own EOS) or after max_new_tokens."""
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if len(prompt_ids) + max_new_tokens >= llm.n_ctx():
+    raise ValueError(f"prompt ({len(prompt_ids)}) + {max_new_tokens} new tokens do not fit "
+                     f"llama.cpp's context of {llm.n_ctx()}: raise n_ctx")
+  stop = set(int(t) for t in eos_ids) | {int(llm.token_eos())}
+  llm.reset()
+  tokens, t_first = [], None
+  t0 = time.perf_counter()
+  gen = llm.generate([int(t) for t in prompt_ids], top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                     repeat_penalty=1.0, reset=True)
+  for token in gen:
+    tokens.append(int(token))
+    if t_first is None:
+      t_first = time.perf_counter()
+    if token in stop or len(tokens) >= max_new_tokens:
+      break
+  gen.close()
+  t_end = time.perf_counter()
+  if t_first is None:
+    raise RuntimeError("llama.cpp produced no token")
+  return LlamaCppResult(tokens=tokens, prefill_s=t_first - t0, decode_s=t_end - t_first)
