@@ -5,7 +5,9 @@
 """
 
 import json
+import os
 
+import jax
 from absl import app
 from absl import logging
 from ml_collections import config_flags
@@ -18,6 +20,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/medusa.py", "Traini
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  # A killed run restarts with the same command: keep its compiles, so a
+  # resume costs the restore, not the first step's compile again (jax's
+  # default threshold, 1 s of compile time, or JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS).
+  jax.config.update("jax_compilation_cache_dir", os.environ.get(
+      "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
   out = run.run(_CONFIG.value)
   print(json.dumps(out, indent=1, default=str))
 

@@ -11,13 +11,16 @@ import statistics
 from typing import Optional
 
 from specjax import sampling as sampling_lib
+from specjax import sharding
 from specjax.decoding import autoregressive
+from specjax.errors import ConfigValueError
 from specjax.io.load import Model, load_model
 
 
 def sampling_from_config(c) -> sampling_lib.SamplingConfig:
-  return sampling_lib.SamplingConfig(temperature=float(c.temperature), top_k=int(c.top_k),
-                                     top_p=float(c.top_p))
+  from specjax.drafters import registry  # pylint: disable=import-outside-toplevel
+  return registry.sampling_of({"temperature": c.temperature, "top_k": c.top_k,
+                               "top_p": c.top_p})
 
 
 def peak_rss_mb() -> float:
@@ -48,18 +51,19 @@ def generate_from_config(c, model: Optional[Model] = None) -> dict:
   sampling = sampling_from_config(c)
   methods = ("ar",) + registry.available_methods()
   if c.method not in methods and c.method not in registry.LOOKAHEAD_METHODS:
-    raise ValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
+    raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
   model = model or load_model(c.model, c.dtype)
   if model.tokenizer is None:
     raise ValueError(f"model {c.model!r} has no tokenizer to encode the prompt")
   prompt = model.tokenizer.encode_prompt(c.prompt, system=c.system)
   prompts = [prompt] * int(c.batch_size)
   new = int(c.max_new_tokens)
+  mesh = sharding.mesh_from_config(c)  # None: the default device
 
   def run_ar():
     return autoregressive.generate(model.params, model.cfg, prompts, key=int(c.seed),
                                    sampling=sampling, max_new_tokens=new,
-                                   cache_slots=c.cache_slots)
+                                   cache_slots=c.cache_slots, mesh=mesh)
 
   ar_runs = [run_ar()]  # the first run compiles
   spec_runs, run_spec = [], None
@@ -71,7 +75,7 @@ def generate_from_config(c, model: Optional[Model] = None) -> dict:
     def run_spec():
       return speculative.generate(model.params, model.cfg, drafter, prompts,
                                   draft_params=draft_params, key=int(c.seed), spec=spec,
-                                  max_new_tokens=new, cache_slots=c.cache_slots)
+                                  max_new_tokens=new, cache_slots=c.cache_slots, mesh=mesh)
 
     spec_runs.append(run_spec())
   for _ in range(int(c.repeats)):  # interleaved: both see the same machine load

@@ -11,9 +11,12 @@ acceptance rule sees.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
+
+from specjax.errors import ConfigValueError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,12 +26,16 @@ class SamplingConfig:
   top_p: float = 1.0  # 1.0: no nucleus truncation.
 
   def __post_init__(self):
-    if not self.temperature >= 0:  # also rejects NaN
-      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-    if isinstance(self.top_k, bool) or int(self.top_k) != self.top_k or self.top_k < 0:
-      raise ValueError(f"top_k must be a non-negative integer, got {self.top_k}")
+    for name in ("temperature", "top_k", "top_p"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigValueError(f"{name} must be a number, got {value!r}")
+    if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+      raise ConfigValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+    if int(self.top_k) != self.top_k or self.top_k < 0:
+      raise ConfigValueError(f"top_k must be a non-negative integer, got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
-      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+      raise ConfigValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
   @property
   def greedy(self) -> bool:

@@ -22,13 +22,19 @@ def test_generate_is_deterministic_and_resumes(smollm2, tmp_path):
     assert 1 <= len(r["answer"]) <= 4
     assert r["split"] == distill_data.split_of(r["id"], 0.3)
     assert r["sampling"]["temperature"] in (0.0, 0.7)
-  # a run killed mid-write leaves a partial last line: a clear error
+  # a run killed mid-write leaves a partial last line: dropped (and cut from
+  # the file), so a resume regenerates that example and appends after whole lines
+  whole = (tmp_path / "b.jsonl").read_text()
   with open(tmp_path / "b.jsonl", "a") as f:
     f.write('{"id": "alpaca/1", "pro')
+  assert distill_data.read_records(str(tmp_path / "b.jsonl")) == b
+  assert (tmp_path / "b.jsonl").read_text() == whole
+  # ... but a malformed line before the last is damage: a clear error
+  (tmp_path / "b.jsonl").write_text('{"id": "alpaca/1", "pro\n' + whole)
   try:
     distill_data.read_records(str(tmp_path / "b.jsonl"))
   except ValueError as e:
-    assert "malformed record" in str(e)
+    assert "b.jsonl:1: malformed record" in str(e)
   else:
     raise AssertionError("a truncated record was accepted")
 

@@ -33,12 +33,15 @@ Aggregation per method and category (and over all categories, 'all'):
   greedy_identical = every output equals AR's token for token (None when sampling)
 
 Resume: every finished (question, method) is appended to `out/log.jsonl`; a
-restart with the same settings skips what is there.
+restart with the same settings skips what is there. A run killed mid-append
+leaves a cut-short last line: the restart drops it (`specjax.io.jsonl`) and
+redoes that question.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -55,12 +58,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as sampling_lib
+from specjax import sharding
 from specjax.analysis import calibration as calibration_lib
 from specjax.analysis import theory
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import batch as batch_lib
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
+from specjax.errors import ConfigValueError, PromptFileError
+from specjax.io import jsonl
 from specjax.io.load import Model, load_model
 from specjax.models.cache import round_up
 
@@ -82,26 +88,63 @@ class Question:
   turns: tuple
 
 
+def _question(rec, where: str) -> Question:
+  """One Spec-Bench record -> Question (PromptFileError naming `where` if malformed)."""
+  if not isinstance(rec, dict):
+    raise PromptFileError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+  for field in ("question_id", "category", "turns"):
+    if field not in rec:
+      raise PromptFileError(f"{where}: record has no {field!r} (Spec-Bench JSONL expected)")
+  qid, cat, turns = rec["question_id"], rec["category"], rec["turns"]
+  if isinstance(qid, bool) or not isinstance(qid, int) or not 0 <= qid < 2 ** 31 // TURN_IDS:
+    raise PromptFileError(f"{where}: 'question_id' must be an integer in "
+                          f"[0, {2 ** 31 // TURN_IDS}), got {str(qid)[:40]!r}")
+  if not isinstance(cat, str) or not cat:
+    raise PromptFileError(f"{where}: 'category' must be a non-empty string, got {str(cat)[:40]!r}")
+  if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+    raise PromptFileError(f"{where}: 'turns' must be a non-empty list of strings")
+  if len(turns) > TURN_IDS:
+    raise PromptFileError(f"{where}: {len(turns)} turns, at most {TURN_IDS} supported")
+  return Question(qid, cat, tuple(turns))
+
+
 def load_questions(path: str, prompt_limit: Optional[int] = None) -> List[Question]:
-  """Questions in file order; at most `prompt_limit` per category (None/0: all)."""
-  out, seen = [], {}
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
+  """Questions in file order; at most `prompt_limit` per category (None/0: all).
+
+  Raises PromptFileError naming the file and line for a missing or unreadable
+  file, a line that is not UTF-8 JSON, a record without `question_id` (a
+  non-negative integer), `category` (a string) or `turns` (a non-empty list of
+  strings), a repeated question_id, or a file without questions.
+  """
+  out, seen, ids = [], {}, {}
+  try:
+    f = open(path, "rb")
+  except OSError as e:
+    raise PromptFileError(f"{path}: cannot read the prompt file: {e}") from e
+  with f:
+    for n, raw in enumerate(f, 1):
+      where = f"{path}:{n}"
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise PromptFileError(f"{where}: not UTF-8 text ({e})") from e
       if not line.strip():
         continue
-      rec = json.loads(line)
-      for field in ("question_id", "category", "turns"):
-        if field not in rec:
-          raise ValueError(f"{path}:{n}: record has no {field!r} (Spec-Bench JSONL expected)")
-      if not rec["turns"] or not all(isinstance(t, str) for t in rec["turns"]):
-        raise ValueError(f"{path}:{n}: 'turns' must be a non-empty list of strings")
-      cat = str(rec["category"])
-      if prompt_limit and seen.get(cat, 0) >= prompt_limit:
+      try:
+        rec = json.loads(line)
+      except (ValueError, RecursionError) as e:  # JSONDecodeError; absurdly deep nesting
+        raise PromptFileError(f"{where}: not a JSON line: {str(e)[:200]}") from e
+      q = _question(rec, where)
+      if q.question_id in ids:
+        raise PromptFileError(f"{where}: question_id {q.question_id} repeats line "
+                              f"{ids[q.question_id]}")
+      ids[q.question_id] = n
+      if prompt_limit and seen.get(q.category, 0) >= prompt_limit:
         continue
-      seen[cat] = seen.get(cat, 0) + 1
-      out.append(Question(int(rec["question_id"]), cat, tuple(rec["turns"])))
+      seen[q.category] = seen.get(q.category, 0) + 1
+      out.append(q)
   if not out:
-    raise ValueError(f"{path}: no questions")
+    raise PromptFileError(f"{path}: no questions")
   return out
 
 
@@ -139,8 +182,11 @@ class Engine:
   excluded compiles; counts what it generated."""
 
   def __init__(self, model: Model, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
-               seed: int):
+               seed: int, mesh=None):
     self.model, self.sampling, self.max_new, self.seed = model, sampling, max_new_tokens, seed
+    # On a mesh (`specjax.sharding`): weights placed once, batches padded to the data axis.
+    self.mesh = mesh
+    self.params = model.params if mesh is None else sharding.place_params(model.params, mesh)
     self.spec = sp.SpecConfig(sampling=sampling)
     self.seen = set()
     self.compile_s = 0.0
@@ -149,7 +195,11 @@ class Engine:
   def run(self, drafter, draft_params, prompts, request_ids):
     cfg = self.model.cfg
     block = 1 if drafter is None else max(drafter.k + 1, getattr(drafter, "block", 0))
-    tokens, lengths, limits, width, slots = ar.prepare(cfg, prompts, self.max_new, block)
+    n, max_new = len(prompts), self.max_new
+    if self.mesh is not None:
+      prompts, max_new, request_ids = sharding.pad_requests(prompts, max_new, request_ids,
+                                                            self.mesh)
+    tokens, lengths, limits, width, slots = ar.prepare(cfg, prompts, max_new, block)
     slots = max(slots, slot_bucket(cfg, tokens.shape[1], width, block))
     if drafter is not None:
       drafter.check(cfg, draft_params)
@@ -162,36 +212,49 @@ class Engine:
       self.compile_s += time.perf_counter() - t0
       self.seen.add(shape)
     self.runs += 1
-    return self._generate(drafter, draft_params, *args, limits)
+    result = self._generate(drafter, draft_params, *args, limits)
+    result.tokens = result.tokens[:n]  # without the mesh's padding rows
+    return result
 
   def _generate(self, drafter, draft_params, tokens, lengths, request_ids, width, slots, limits):
     # `autoregressive.generate` / `speculative.generate` with the cache size fixed
     # by the bucket (theirs follows each prompt's exact length).
-    params, cfg = self.model.params, self.model.cfg
+    params, cfg = self.params, self.model.cfg
     keys = batch_lib.request_keys(batch_lib.as_key(self.seed),
                                   batch_lib.request_ids_for(len(lengths), request_ids))
     tokens, lengths, limits = jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(limits)
+    place = lambda tree: tree  # pylint: disable=unnecessary-lambda-assignment
+    if self.mesh is not None:
+      place = functools.partial(sharding.place_batch, batch_size=len(lengths), mesh=self.mesh)
+      keys, tokens, lengths, limits = place((keys, tokens, lengths, limits))
+      draft_params = sharding.place_params(draft_params, self.mesh)
     t0 = time.perf_counter()
     if drafter is None:
-      state = ar.prefill(params, cfg, keys, tokens, lengths, limits, num_slots=slots,
-                         sampling=self.sampling, max_new_tokens=width)
+      state = place(ar.prefill(params, cfg, keys, tokens, lengths, limits, num_slots=slots,
+                               sampling=self.sampling, max_new_tokens=width))
       state.num_tokens.block_until_ready()
       t1 = time.perf_counter()
       state = ar.decode(params, cfg, state, sampling=self.sampling)
-      out, num = jax.device_get((state.tokens, state.num_tokens))
+      out, num, bad = jax.device_get((state.tokens, state.num_tokens, state.nonfinite_at))
       t2 = time.perf_counter()
-      return ar.GenerateResult(tokens=ar.unpack(out, num), prefill_s=t1 - t0, decode_s=t2 - t1,
-                               num_slots=slots, stats={"decode_steps": int(state.step)})
-    state = sp.prefill(params, cfg, drafter, draft_params, keys, tokens, lengths, limits,
-                       num_slots=slots, spec=self.spec, max_new_tokens=width)
+      result = ar.GenerateResult(tokens=ar.unpack(out, num), prefill_s=t1 - t0,
+                                 decode_s=t2 - t1, num_slots=slots,
+                                 stats={"decode_steps": int(state.step)})
+      ar.raise_if_nonfinite(bad, result, "autoregressive decoding")
+      return result
+    state = place(sp.prefill(params, cfg, drafter, draft_params, keys, tokens, lengths, limits,
+                             num_slots=slots, spec=self.spec, max_new_tokens=width))
     state.num_tokens.block_until_ready()
     t1 = time.perf_counter()
     state = sp.decode(params, cfg, drafter, draft_params, state, spec=self.spec)
-    history, length, plen = jax.device_get((state.history, state.length, state.prompt_len))
+    history, length, plen, bad = jax.device_get((state.history, state.length, state.prompt_len,
+                                                 state.nonfinite_at))
     t2 = time.perf_counter()
     out = [history[i, plen[i]:length[i]].tolist() for i in range(len(lengths))]
-    return sp.SpecResult(tokens=out, prefill_s=t1 - t0, decode_s=t2 - t1, num_slots=slots,
-                         stats=sp._summarize(state), lossy=sp.is_lossy(drafter, self.spec))  # pylint: disable=protected-access
+    result = sp.SpecResult(tokens=out, prefill_s=t1 - t0, decode_s=t2 - t1, num_slots=slots,
+                           stats=sp._summarize(state), lossy=sp.is_lossy(drafter, self.spec))  # pylint: disable=protected-access
+    ar.raise_if_nonfinite(bad, result, "speculative decoding")
+    return result
 
 
 def _decode_tokens(result) -> int:
@@ -487,10 +550,9 @@ def _settings(c) -> dict:
 
 
 def read_log(path: str) -> List[dict]:
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The log's finished records; a last line cut short by a kill is dropped
+  (and cut from the file, so the resumed run appends after whole lines)."""
+  return jsonl.read(path)
 
 
 def _clock(s: float) -> str:
@@ -546,20 +608,24 @@ def run_benchmark(c, model: Optional[Model] = None,
   progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
   methods = [m.strip() for m in str(c.methods).split(",") if m.strip()]
   if not methods:
-    raise ValueError("no methods given (e.g. methods='prompt_lookup,layer_skip')")
+    raise ConfigValueError("no methods given (e.g. methods='prompt_lookup,layer_skip')")
   if len(set(methods)) != len(methods):
-    raise ValueError(f"methods repeat a name: {methods}")
+    raise ConfigValueError(f"methods repeat a name: {methods}")
   for m in methods:  # fail before any work on an unknown method or a bad k
-    base, mc = registry.method_config(m, c)  # 'name@field=value...': the method's own fields
+    try:
+      base, mc = registry.method_config(m, c)  # 'name@field=value...': the method's own fields
+    except ValueError as e:
+      raise ConfigValueError(str(e)) from e
     if base == "ar" or base not in registry.available_methods() + registry.LOOKAHEAD_METHODS:
-      raise ValueError(f"unknown method {m!r} (AR is always the baseline); available: "
-                       f"{', '.join(registry.available_methods())}")
+      raise ConfigValueError(f"unknown method {m!r} (AR is always the baseline); available: "
+                             f"{', '.join(registry.available_methods())}")
     k = mc.k
     if base not in registry.LOOKAHEAD_METHODS and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-      raise ValueError(f"draft length k must be an integer >= 1, got {k!r} for {m}")
-  repeats, batch_size = int(c.repeats), int(c.batch_size)
-  if repeats < 1 or batch_size < 1:
-    raise ValueError(f"repeats and batch_size must be >= 1, got {repeats}, {batch_size}")
+      raise ConfigValueError(f"draft length k must be an integer >= 1, got {k!r} for {m}")
+  repeats, batch_size = c.repeats, c.batch_size
+  if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (repeats, batch_size)):
+    raise ConfigValueError(f"repeats and batch_size must be integers >= 1, got {repeats!r}, "
+                           f"{batch_size!r}")
   sampling = registry.sampling_of(c)
   units = make_units(load_questions(c.prompts, c.prompt_limit), batch_size)
   os.makedirs(c.out, exist_ok=True)
@@ -582,7 +648,8 @@ def run_benchmark(c, model: Optional[Model] = None,
   for n, unit in enumerate(todo):
     if engine is None:
       model = model or load_model(c.model, c.dtype)
-      engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed))
+      engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed),
+                      mesh=sharding.mesh_from_config(c))
     missing = [m for m in methods if (unit_id(unit), m) not in done]
     eta = ("?" if n == 0 else
            _clock((time.perf_counter() - t_work) / n * (len(todo) - n)))
@@ -594,10 +661,9 @@ def run_benchmark(c, model: Optional[Model] = None,
 
     recs = _run_unit(engine, c, unit, missing, done.get((unit_id(unit), "ar")), settings_id,
                      repeats, note)
-    with open(log_path, "a") as f:
-      for rec in recs:
-        f.write(json.dumps(rec) + "\n")
-        done[(rec["unit"], rec["method"])] = rec
+    jsonl.append(log_path, recs)
+    for rec in recs:
+      done[(rec["unit"], rec["method"])] = rec
     q_done += len(unit)
 
   wanted = {unit_id(u) for u in units}

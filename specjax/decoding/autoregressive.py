@@ -5,6 +5,11 @@ sets the row's fill level to its true length; the first new token is drawn from
 the logits at the row's last prompt position. Then one `lax.while_loop` on
 device feeds one token per row per step until every row has hit EOS or its
 token limit. Finished rows stop writing. No Python runs per token.
+
+NaN / inf logits are never sampled from silently: a row whose logits are not
+finite where its next token is chosen stops before that token and records its
+index (`DecodeState.nonfinite_at`); `generate` then raises
+`specjax.errors.NonFiniteLogitsError` naming the rows and tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import errors
 from specjax import sampling as sampling_lib
+from specjax import sharding
 from specjax.decoding import batch as batch_lib
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
@@ -38,6 +45,32 @@ class DecodeState:
   num_tokens: jax.Array  # (B,) int32
   limit: jax.Array  # (B,) int32 per-row max_new_tokens.
   done: jax.Array  # (B,) bool
+  # (B,) int32: index of the output token whose logits were first seen NaN / inf
+  # (the row stopped before emitting it); -1 while they are finite.
+  nonfinite_at: jax.Array
+
+
+def nonfinite_rows(logits: jax.Array, active: jax.Array, num_valid=None) -> jax.Array:
+  """(B,) bool: active rows with a NaN / inf among their logits (B, V), or
+  among the first num_valid[b] positions of (B, T, V)."""
+  bad = ~jnp.all(jnp.isfinite(logits), axis=-1)
+  if num_valid is not None:
+    bad = jnp.any(bad & (jnp.arange(bad.shape[1])[None] < num_valid[:, None]), axis=1)
+  return active & bad
+
+
+def note_nonfinite(nonfinite_at, done, bad, num_tokens):
+  """Rows with `bad` logits stop (done) before emitting, and keep the index
+  of the token they would have emitted: -> (nonfinite_at, done)."""
+  nonfinite_at = jnp.where(bad & (nonfinite_at < 0), num_tokens, nonfinite_at)
+  return nonfinite_at, done | bad
+
+
+def raise_if_nonfinite(nonfinite_at, result, what: str) -> None:
+  """NonFiniteLogitsError (carrying `result`) if any row saw NaN / inf logits."""
+  err = errors.first_nonfinite(np.asarray(nonfinite_at), result, what)
+  if err is not None:
+    raise err
 
 
 def first_token_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -77,14 +110,17 @@ def prefill(params, cfg: ModelConfig, keys, prompt_tokens, prompt_lengths, limit
   logits, hidden, cache = transformer.forward(params, cfg, prompt_tokens, positions, cache,
                                               hidden_layers=hidden_layers or ())
   cache = cache.with_length(prompt_lengths)
-  first = sample_rows(batch_lib.purpose_keys(keys, batch_lib.PREFILL_SAMPLE),
-                      first_token_logits(logits, prompt_lengths), sampling)
+  first_logits = first_token_logits(logits, prompt_lengths)
+  first = sample_rows(batch_lib.purpose_keys(keys, batch_lib.PREFILL_SAMPLE), first_logits,
+                      sampling)
   tokens = jnp.full((b, max_new_tokens), cfg.pad_id, jnp.int32)
-  done = jnp.zeros((b,), bool)
-  tokens, num_tokens, done = emit(tokens, jnp.zeros((b,), jnp.int32), done, limit, first,
-                                  cfg.eos_id, cfg.pad_id)
+  zeros = jnp.zeros((b,), jnp.int32)
+  nonfinite_at, done = note_nonfinite(zeros - 1, jnp.zeros((b,), bool),
+                                      nonfinite_rows(first_logits, jnp.ones((b,), bool)), zeros)
+  tokens, num_tokens, done = emit(tokens, zeros, done, limit, first, cfg.eos_id, cfg.pad_id)
   state = DecodeState(step=jnp.zeros((), jnp.int32), cache=cache, keys=keys, last=first,
-                      tokens=tokens, num_tokens=num_tokens, limit=limit, done=done)
+                      tokens=tokens, num_tokens=num_tokens, limit=limit, done=done,
+                      nonfinite_at=nonfinite_at)
   return state if hidden_layers is None else (state, hidden)
 
 
@@ -96,11 +132,15 @@ def decode_step(params, cfg: ModelConfig, sampling: sampling_lib.SamplingConfig,
                                          state.cache, active=active)
   keys = batch_lib.purpose_keys(state.keys, batch_lib.DECODE_STEP, state.step)
   new = sample_rows(keys, logits[:, 0], sampling)
+  nonfinite_at, done = note_nonfinite(state.nonfinite_at, state.done,
+                                      nonfinite_rows(logits[:, 0], active), state.num_tokens)
+  active = ~done
   new = jnp.where(active, new, cfg.pad_id)
-  tokens, num_tokens, done = emit(state.tokens, state.num_tokens, state.done, state.limit, new,
+  tokens, num_tokens, done = emit(state.tokens, state.num_tokens, done, state.limit, new,
                                   cfg.eos_id, cfg.pad_id)
   return state.replace(step=state.step + 1, cache=cache, last=jnp.where(active, new, state.last),
-                       tokens=tokens, num_tokens=num_tokens, done=done)
+                       tokens=tokens, num_tokens=num_tokens, done=done,
+                       nonfinite_at=nonfinite_at)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("state",))
@@ -154,7 +194,7 @@ def unpack(tokens: np.ndarray, num_tokens: np.ndarray) -> list:
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, key=0,
              sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
              max_new_tokens=64, request_ids=None,
-             cache_slots: Optional[int] = None) -> GenerateResult:
+             cache_slots: Optional[int] = None, mesh=None) -> GenerateResult:
   """Generate continuations of token-id prompts (ragged lengths allowed).
 
   Args:
@@ -162,19 +202,38 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, key=
     max_new_tokens: int or per-row sequence.
     request_ids: per-row ids for key derivation (default 0..B-1).
     cache_slots: cache capacity cap (default the model's context length).
+    mesh: optional (data, model) `jax.sharding.Mesh` (`specjax.sharding`): the
+      batch runs split over `data`, the weights over `model`; same outputs.
+
+  Raises:
+    NonFiniteLogitsError: some row's logits were NaN / inf where a token was
+      to be chosen (the error carries the result, cut before those tokens).
   """
+  n = len(prompts)
+  if mesh is not None:
+    prompts, max_new_tokens, request_ids = sharding.pad_requests(prompts, max_new_tokens,
+                                                                 request_ids, mesh)
+    params = sharding.place_params(params, mesh)
   tokens, lengths, limits, width, num_slots = prepare(cfg, prompts, max_new_tokens, 1,
                                                       cache_slots)
   keys = batch_lib.request_keys(batch_lib.as_key(key),
                                 batch_lib.request_ids_for(len(prompts), request_ids))
+  inputs = (keys, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(limits))
+  if mesh is not None:
+    inputs = sharding.place_batch(inputs, len(prompts), mesh)
   t0 = time.perf_counter()
-  state = prefill(params, cfg, keys, jnp.asarray(tokens), jnp.asarray(lengths),
-                  jnp.asarray(limits), num_slots=num_slots, sampling=sampling,
+  state = prefill(params, cfg, *inputs, num_slots=num_slots, sampling=sampling,
                   max_new_tokens=width)
+  if mesh is not None:  # the loop state as the loop will carry it
+    state = sharding.place_batch(state, len(prompts), mesh)
   state.num_tokens.block_until_ready()
   t1 = time.perf_counter()
   state = decode(params, cfg, state, sampling=sampling)
-  out_tokens, num = jax.device_get((state.tokens, state.num_tokens))
+  out_tokens, num, nonfinite_at = jax.device_get((state.tokens, state.num_tokens,
+                                                  state.nonfinite_at))
   t2 = time.perf_counter()
-  return GenerateResult(tokens=unpack(out_tokens, num), prefill_s=t1 - t0, decode_s=t2 - t1,
-                        num_slots=num_slots, stats={"decode_steps": int(state.step)})
+  result = GenerateResult(tokens=unpack(out_tokens[:n], num[:n]), prefill_s=t1 - t0,
+                          decode_s=t2 - t1, num_slots=num_slots,
+                          stats={"decode_steps": int(state.step)})
+  raise_if_nonfinite(nonfinite_at[:n], result, "autoregressive decoding")
+  return result

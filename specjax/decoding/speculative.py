@@ -17,6 +17,12 @@ Each round, every active row:
 
 Everything runs in one `lax.while_loop` on device; rows accept different
 numbers of tokens per round and finish independently.
+
+A row whose verify logits hold NaN / inf at a position that chose one of this
+round's tokens (the root and the accepted guesses) stops before that round
+emits anything and records the index of the token it would
+have emitted (`SpecState.nonfinite_at`); `generate` raises
+`specjax.errors.NonFiniteLogitsError`.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as sampling_lib
+from specjax import sharding
 from specjax import verify
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import batch as batch_lib
@@ -73,6 +80,9 @@ class SpecState:
   limit: jax.Array  # (B,)
   done: jax.Array  # (B,)
   metrics: Metrics
+  # (B,) int32: output token index where NaN / inf target logits were first
+  # seen (the row stopped before it); -1 while they are finite.
+  nonfinite_at: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +174,11 @@ def prefill(params, cfg: ModelConfig, drafter: Drafter, draft_params, keys, prom
                     accept_hist=jnp.zeros((b, k + 1), jnp.int32),
                     reached=jnp.zeros((b, k), jnp.int32), kept=jnp.zeros((b, k), jnp.int32),
                     narrow=zeros, verified=zeros)
+  # base.num_tokens is 1, or 0 on a row whose first token's logits were not finite
   return SpecState(round=jnp.zeros((), jnp.int32), cache=base.cache, drafter=dstate,
-                   keys=keys, history=history, length=prompt_lengths + 1,
+                   keys=keys, history=history, length=prompt_lengths + base.num_tokens,
                    prompt_len=prompt_lengths, num_tokens=base.num_tokens, limit=limit,
-                   done=base.done, metrics=metrics)
+                   done=base.done, metrics=metrics, nonfinite_at=base.nonfinite_at)
 
 
 def run_verify(spec: SpecConfig, num_proposed, verify_forward, cache, width: int,
@@ -184,6 +195,15 @@ def run_verify(spec: SpecConfig, num_proposed, verify_forward, cache, width: int
   idx = jnp.minimum(jnp.sum(jnp.asarray(ws[:-1]) < need), len(ws) - 1)
   out = jax.lax.switch(idx, [functools.partial(verify_forward, width=w) for w in ws], cache)
   return out + (jnp.asarray(ws, jnp.int32)[idx],)
+
+
+def stop_nonfinite(state: SpecState, logits, num_valid) -> SpecState:
+  """Active rows with NaN / inf among their first num_valid[b] verify logits
+  (B, W, V) -- the positions that chose this round's tokens -- stop before
+  this round emits (`autoregressive.note_nonfinite`)."""
+  bad = ar.nonfinite_rows(logits, ~state.done, num_valid)
+  nonfinite_at, done = ar.note_nonfinite(state.nonfinite_at, state.done, bad, state.num_tokens)
+  return state.replace(nonfinite_at=nonfinite_at, done=done)
 
 
 def propose_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: SpecConfig,
@@ -237,6 +257,8 @@ def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: S
   else:
     p = sampling_lib.probs(logits, spec.sampling)
     n_acc, nxt = verify.chain_accept(accept_keys, proposal.tokens, proposal.q, p, num_proposed)
+  # positions 0..n_acc chose this round's tokens (a NaN there may have been accepted through)
+  state = stop_nonfinite(state, logits, n_acc + 1)
   evaluated = jnp.minimum(n_acc + 1, num_proposed)
   return commit_round(cfg, drafter, draft_params, state, dstate, cache, proposal.tokens, n_acc,
                       nxt, hidden, evaluated, used)
@@ -343,37 +365,58 @@ def _summarize(state: SpecState) -> dict:
 
 def start(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
           draft_params=None, key=0, spec: SpecConfig = SpecConfig(), max_new_tokens=64,
-          request_ids=None, cache_slots: Optional[int] = None) -> SpecState:
+          request_ids=None, cache_slots: Optional[int] = None, mesh=None) -> SpecState:
   """Check the drafter, pad the prompts, derive per-request keys and prefill:
-  the state `decode` starts from (also what calibration measures proposals on)."""
+  the state `decode` starts from (also what calibration measures proposals on).
+  With a `mesh`, params, inputs and the returned state are placed on it
+  (`specjax.sharding`); a batch that does not divide its `data` axis is not
+  split (`generate` pads it first)."""
   drafter.check(cfg, draft_params)
   tokens, lengths, limits, width, num_slots = ar.prepare(cfg, prompts, max_new_tokens,
                                                          max(drafter.k + 1, drafter.block),
                                                          cache_slots)
   keys = batch_lib.request_keys(batch_lib.as_key(key),
                                 batch_lib.request_ids_for(len(prompts), request_ids))
-  return prefill(params, cfg, drafter, draft_params, keys, jnp.asarray(tokens),
-                 jnp.asarray(lengths), jnp.asarray(limits), num_slots=num_slots, spec=spec,
-                 max_new_tokens=width)
+  inputs = (keys, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(limits))
+  if mesh is not None:
+    params = sharding.place_params(params, mesh)
+    draft_params = sharding.place_params(draft_params, mesh)
+    inputs = sharding.place_batch(inputs, len(prompts), mesh)
+  state = prefill(params, cfg, drafter, draft_params, *inputs, num_slots=num_slots, spec=spec,
+                  max_new_tokens=width)
+  if mesh is not None:  # the loop state as the loop will carry it
+    state = sharding.place_batch(state, len(prompts), mesh)
+  return state
 
 
 def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
              draft_params=None, key=0, spec: SpecConfig = SpecConfig(), max_new_tokens=64,
-             request_ids=None, cache_slots: Optional[int] = None) -> SpecResult:
+             request_ids=None, cache_slots: Optional[int] = None, mesh=None) -> SpecResult:
   """Speculative generation for token-id prompts (ragged lengths allowed).
 
   The same arguments as `autoregressive.generate`, plus the drafter, its
   params and the SpecConfig (target sampling settings and acceptance rule).
+  Raises NonFiniteLogitsError as `autoregressive.generate` does.
   """
+  n = len(prompts)
+  if mesh is not None:
+    prompts, max_new_tokens, request_ids = sharding.pad_requests(prompts, max_new_tokens,
+                                                                 request_ids, mesh)
+    params = sharding.place_params(params, mesh)
+    draft_params = sharding.place_params(draft_params, mesh)
   t0 = time.perf_counter()
   state = start(params, cfg, drafter, prompts, draft_params=draft_params, key=key, spec=spec,
-                max_new_tokens=max_new_tokens, request_ids=request_ids, cache_slots=cache_slots)
+                max_new_tokens=max_new_tokens, request_ids=request_ids, cache_slots=cache_slots,
+                mesh=mesh)
   num_slots = state.cache.num_slots
   state.num_tokens.block_until_ready()
   t1 = time.perf_counter()
   state = decode(params, cfg, drafter, draft_params, state, spec=spec)
-  history, length, plen = jax.device_get((state.history, state.length, state.prompt_len))
+  history, length, plen, nonfinite_at = jax.device_get((state.history, state.length,
+                                                        state.prompt_len, state.nonfinite_at))
   t2 = time.perf_counter()
-  out = [history[i, plen[i]:length[i]].tolist() for i in range(len(prompts))]
-  return SpecResult(tokens=out, prefill_s=t1 - t0, decode_s=t2 - t1, num_slots=num_slots,
-                    stats=_summarize(state), lossy=is_lossy(drafter, spec))
+  out = [history[i, plen[i]:length[i]].tolist() for i in range(n)]
+  result = SpecResult(tokens=out, prefill_s=t1 - t0, decode_s=t2 - t1, num_slots=num_slots,
+                      stats=_summarize(state), lossy=is_lossy(drafter, spec))
+  ar.raise_if_nonfinite(nonfinite_at[:n], result, "speculative decoding")
+  return result

@@ -185,6 +185,8 @@ def tree_round(params, cfg, drafter, draft_params, spec, state):
     p = sampling_lib.probs(logits, spec.sampling)
     path, n_acc, nxt = verify.tree_accept(accept_keys, prop.tokens, parent, prop.q, p, num_nodes)
   n_acc = jnp.minimum(n_acc, depth_max)
+  # the root's and the accepted path's logits chose this round's tokens
+  state = sp.stop_nonfinite(state, path_gather(logits, path, depth_max + 1), n_acc + 1)
   cache = commit_path(cache, root_slot, path, n_acc, active)
   path_tokens = jnp.take_along_axis(prop.tokens, jnp.maximum(path[:, :depth_max], 0), axis=1)
   hidden_path = path_gather(hidden, path, depth_max + 1)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import numbers
 import os
 import importlib.util
 from typing import Any, Optional, Sequence
@@ -64,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as sampling_lib
+from specjax.errors import BadInputError, ConfigValueError
 from specjax.drafters.base import Drafter
 from specjax.drafters import draft_model as draft_model_lib
 from specjax.drafters.draft_model import DraftModel
@@ -104,6 +106,9 @@ def add_config_fields(c) -> None:
   c.tree_mode = "wor"
   c.tree_topk = 4  # eagle(3)_tree: children per expanded node
   c.tree_width = 4  # eagle(3)_tree: nodes expanded per depth
+  # device mesh 'data,model' (e.g. '2,4': batch over 2, weights over 4; specjax.sharding);
+  # '' runs on the default device
+  c.mesh = ""
 
 
 def apply_variants(c, arg, config_name: str) -> None:
@@ -215,10 +220,18 @@ def _k(config) -> int:
 
 
 def sampling_of(config) -> sampling_lib.SamplingConfig:
-  """The target's sampling settings named by a config (greedy when absent)."""
-  return sampling_lib.SamplingConfig(temperature=float(_field(config, "temperature", 0.0)),
-                                     top_k=int(_field(config, "top_k", 0)),
-                                     top_p=float(_field(config, "top_p", 1.0)))
+  """The target's sampling settings named by a config (greedy when absent);
+  ConfigValueError for values that are not numbers or out of range."""
+  values = {name: _field(config, name, default)
+            for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0))}
+  for name, value in values.items():
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+      raise ConfigValueError(f"{name} must be a number, got {value!r}")
+  top_k = values["top_k"]
+  if float(top_k) != int(top_k):
+    raise ConfigValueError(f"top_k must be a non-negative integer, got {top_k!r}")
+  return sampling_lib.SamplingConfig(temperature=float(values["temperature"]),
+                                     top_k=int(top_k), top_p=float(values["top_p"]))
 
 
 def default_layers(num_layers: int) -> str:
@@ -376,6 +389,22 @@ def _lookahead(config, k: int, tree: bool = False):
 def make_drafter(method: str, config, target_model, *, reference=None,
                  sampling: Optional[sampling_lib.SamplingConfig] = None,
                  reference_width: Optional[int] = None) -> tuple[Drafter, Any]:
+  """Build the drafter named `method` -> (drafter, draft_params); see
+  `_make_drafter`. Bad settings (unknown method or field, a value of the wrong
+  type or out of range) raise ConfigValueError naming the method; a bad
+  checkpoint or model file raises its MalformedFileError."""
+  try:
+    return _make_drafter(method, config, target_model, reference=reference, sampling=sampling,
+                         reference_width=reference_width)
+  except BadInputError:
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigValueError(f"method {method!r}: {e}") from e
+
+
+def _make_drafter(method: str, config, target_model, *, reference=None,
+                  sampling: Optional[sampling_lib.SamplingConfig] = None,
+                  reference_width: Optional[int] = None) -> tuple[Drafter, Any]:
   """Build the drafter named `method` -> (drafter, draft_params).
 
   Args:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -28,6 +29,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from specjax.errors import MalformedFileError
 from specjax.models.config import ModelConfig
 
 Params = dict
@@ -45,7 +47,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 _DEFAULT_LOAD_DTYPE = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 
 
-class HFFormatError(ValueError):
+class HFFormatError(MalformedFileError):
   """An HF model directory is missing, malformed or not a supported architecture."""
 
 
@@ -67,14 +69,54 @@ def _rope_theta(raw: Mapping[str, Any], path: str) -> float:
         f"{path}: RoPE scaling type {kind!r} is not supported (only plain RoPE, "
         "rope_type 'default'); loading it would give wrong logits at every position")
   theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-  return float(theta)
+  return _number(theta, "rope_theta", path)
 
 
-def _first_id(value: Any) -> Optional[int]:
-  """A token id from config.json; a list (several EOS ids) gives its first."""
+# Integer hyper-parameters and token ids: int32 on device.
+_MAX_INT = 2 ** 31 - 1
+
+
+def _short(v: Any) -> str:
+  r = repr(v)
+  return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _integer(value: Any, key: str, path: str, lo: int = 1, hi: int = _MAX_INT) -> int:
+  """A JSON integer in [lo, hi] (an integral float such as 2048.0 too)."""
+  if isinstance(value, float) and math.isfinite(value) and value == int(value):
+    value = int(value)
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise HFFormatError(f"{path}: {key} must be an integer, got {_short(value)}")
+  if not lo <= value <= hi:
+    raise HFFormatError(f"{path}: {key}={value} is out of range [{lo}, {hi}]")
+  return value
+
+
+def _number(value: Any, key: str, path: str) -> float:
+  """A positive finite JSON number."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise HFFormatError(f"{path}: {key} must be a number, got {_short(value)}")
+  if not (math.isfinite(value) and value > 0):
+    raise HFFormatError(f"{path}: {key}={value} must be positive and finite")
+  return float(value)
+
+
+def _flag(raw: Mapping[str, Any], key: str, path: str) -> bool:
+  value = raw.get(key)
+  if value is None:
+    return False
+  if not isinstance(value, bool):
+    raise HFFormatError(f"{path}: {key} must be true or false, got {_short(value)}")
+  return value
+
+
+def _first_id(value: Any, key: str = "token id", path: str = "<config.json>",
+              vocab: int = _MAX_INT) -> Optional[int]:
+  """A token id from config.json; a list (several EOS ids) gives its first.
+  -1 (some configs' way of saying none) is kept."""
   if isinstance(value, (list, tuple)):
     value = value[0] if value else None
-  return None if value is None else int(value)
+  return None if value is None else _integer(value, key, path, lo=-1, hi=vocab - 1)
 
 
 def config_from_dict(raw: Mapping[str, Any], path: str = "<config.json>",
@@ -89,12 +131,14 @@ def config_from_dict(raw: Mapping[str, Any], path: str = "<config.json>",
     raise HFFormatError(f"{path}: model_type {model_type!r} is not supported "
                         f"(expected one of {list(SUPPORTED_MODEL_TYPES)})")
   archs = raw.get("architectures") or []
+  if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+    raise HFFormatError(f"{path}: architectures must be a list of names, got {_short(archs)}")
   if archs and not set(archs) & set(SUPPORTED_ARCHITECTURES):
     raise HFFormatError(f"{path}: architectures {archs} are not supported "
                         f"(expected one of {list(SUPPORTED_ARCHITECTURES)})")
-  max_pos = int(raw.get("max_position_embeddings", 2048))
+  max_pos = _integer(raw.get("max_position_embeddings", 2048), "max_position_embeddings", path)
   window = raw.get("sliding_window")
-  if window is not None and int(window) < max_pos:
+  if window is not None and _integer(window, "sliding_window", path) < max_pos:
     raise HFFormatError(
         f"{path}: sliding_window={window} is not supported (full attention only); "
         f"a window of at least max_position_embeddings={max_pos} or null is")
@@ -107,37 +151,43 @@ def config_from_dict(raw: Mapping[str, Any], path: str = "<config.json>",
   def need(key):
     if raw.get(key) is None:
       raise HFFormatError(f"{path}: required key {key!r} is missing")
-    return int(raw[key])
+    return _integer(raw[key], key, path)
+
+  def optional(key, default):
+    return default if raw.get(key) is None else _integer(raw[key], key, path)
 
   dim, heads = need("hidden_size"), need("num_attention_heads")
+  vocab = need("vocab_size")
   if dtype is None:
     src = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
     if src not in _DEFAULT_LOAD_DTYPE:
       raise HFFormatError(f"{path}: dtype {src!r} is not supported "
                           f"(expected one of {sorted(_DEFAULT_LOAD_DTYPE)})")
     dtype = _DEFAULT_LOAD_DTYPE[src]
-  eos = _first_id(raw.get("eos_token_id"))
-  ids = dict(bos_id=_first_id(raw.get("bos_token_id")), eos_id=eos,
-             pad_id=_first_id(raw.get("pad_token_id")))
+  eos = _first_id(raw.get("eos_token_id"), "eos_token_id", path, vocab)
+  ids = dict(bos_id=_first_id(raw.get("bos_token_id"), "bos_token_id", path, vocab), eos_id=eos,
+             pad_id=_first_id(raw.get("pad_token_id"), "pad_token_id", path, vocab))
   if ids["pad_id"] is None:
     ids["pad_id"] = eos  # HF Llama checkpoints usually have no pad token.
   try:
     return ModelConfig(
-        vocab_size=need("vocab_size"),
+        vocab_size=vocab,
         dim=dim,
         num_layers=need("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=int(raw.get("head_dim") or dim // heads),
+        num_kv_heads=optional("num_key_value_heads", heads),
+        head_dim=optional("head_dim", max(dim // heads, 1)),
         ffn_dim=need("intermediate_size"),
         rope_theta=_rope_theta(raw, path),
-        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        norm_eps=_number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", path),
+        tie_embeddings=_flag(raw, "tie_word_embeddings", path),
         max_seq_len=max_pos,
         dtype=jnp.dtype(dtype).name,
         **{k: v for k, v in ids.items() if v is not None},
     )
-  except ValueError as e:
+  except ValueError as e:  # ModelConfig's own consistency checks
+    if isinstance(e, HFFormatError):
+      raise
     raise HFFormatError(f"{path}: invalid config: {e}") from e
 
 
@@ -183,8 +233,8 @@ def read_config(path: str, dtype: Optional[str] = None) -> ModelConfig:
   try:
     with open(file, encoding="utf-8") as f:
       raw = json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
-    raise HFFormatError(f"{file}: cannot read JSON: {e}") from e
+  except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+    raise HFFormatError(f"{file}: cannot read JSON: {type(e).__name__}: {e}") from e
   if not isinstance(raw, dict):
     raise HFFormatError(f"{file}: expected a JSON object")
   return config_from_dict(raw, file, dtype)
@@ -259,7 +309,7 @@ def _weight_map(path: str) -> Dict[str, str]:
       with open(index, encoding="utf-8") as f:
         weight_map = json.load(f)["weight_map"]
       files = {name: os.path.join(path, shard) for name, shard in weight_map.items()}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as e:
       raise HFFormatError(f"{index}: malformed shard index: {type(e).__name__}: {e}") from e
     for file in sorted(set(files.values())):
       if not os.path.isfile(file):

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import Optional
 
+from specjax.errors import ConfigValueError
 from specjax.io import gguf as gguf_io
 from specjax.io import tokenizer as tokenizer_lib
 from specjax.models.config import ModelConfig
@@ -34,6 +35,8 @@ def load_model(name_or_path: str, dtype: Optional[str] = None,
       metadata only).
   """
   dtype = dtype or "float32"
+  if dtype not in ("float32", "bfloat16"):
+    raise ConfigValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
   if os.path.isdir(name_or_path):
     from specjax.io import hf  # pylint: disable=import-outside-toplevel
 

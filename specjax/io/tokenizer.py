@@ -92,27 +92,46 @@ def tokenizer_from_gguf(reader, path: str = "<gguf>") -> Tokenizer:
   types = f("tokenizer.ggml.token_type") or []
   if not tokens or merges is None:
     raise gguf_io.GGUFError(f"{path}: tokenizer vocabulary or merges are missing")
+  if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+    raise gguf_io.GGUFError(f"{path}: tokenizer.ggml.tokens must be a list of strings")
+  if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+    raise gguf_io.GGUFError(f"{path}: tokenizer.ggml.merges must be a list of 'a b' strings")
+  if not isinstance(types, list) or not all(isinstance(t, int) for t in types):
+    raise gguf_io.GGUFError(f"{path}: tokenizer.ggml.token_type must be a list of integers")
   vocab = {tok: i for i, tok in enumerate(tokens)}
+  if len(vocab) != len(tokens):
+    raise gguf_io.GGUFError(f"{path}: tokenizer.ggml.tokens holds duplicate tokens")
   merge_pairs = [tuple(m.split(" ", 1)) for m in merges]
-  bpe = models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
-  backend = tokenizers.Tokenizer(bpe)
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  if f("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), byte_level])
-  else:
-    backend.pre_tokenizer = byte_level
-  backend.decoder = decoders.ByteLevel()
-  specials = [tokenizers.AddedToken(tok, special=True, normalized=False)
-              for tok, ty in zip(tokens, types) if ty == _CONTROL]
-  backend.add_special_tokens(specials)
-  eos = int(f("tokenizer.ggml.eos_token_id", 2))
+  ids = {key: gguf_io.int_field(reader, key, path, default, lo=0, hi=len(tokens) - 1)
+         for key, default in (("tokenizer.ggml.bos_token_id", 1),
+                              ("tokenizer.ggml.eos_token_id", 2))}
+  ids["tokenizer.ggml.padding_token_id"] = gguf_io.int_field(
+      reader, "tokenizer.ggml.padding_token_id", path, ids["tokenizer.ggml.eos_token_id"], lo=0,
+      hi=len(tokens) - 1)
+  template = f("tokenizer.chat_template")
+  if template is not None and not isinstance(template, str):
+    raise gguf_io.GGUFError(f"{path}: tokenizer.chat_template must be a string")
+  try:
+    bpe = models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False, byte_fallback=False)
+    backend = tokenizers.Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if f("tokenizer.ggml.pre") in _DIGIT_SPLIT_PRE:
+      backend.pre_tokenizer = pre_tokenizers.Sequence(
+          [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+      backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    specials = [tokenizers.AddedToken(tok, special=True, normalized=False)
+                for tok, ty in zip(tokens, types) if ty == _CONTROL]
+    backend.add_special_tokens(specials)
+  except Exception as e:  # the tokenizers library rejects a vocabulary or merges
+    raise gguf_io.GGUFError(f"{path}: cannot build the tokenizer: {type(e).__name__}: {e}") from e
   return Tokenizer(
       backend=backend,
-      bos_id=int(f("tokenizer.ggml.bos_token_id", 1)),
-      eos_id=eos,
-      pad_id=int(f("tokenizer.ggml.padding_token_id", eos)),
-      chat_template=f("tokenizer.chat_template"),
+      bos_id=ids["tokenizer.ggml.bos_token_id"],
+      eos_id=ids["tokenizer.ggml.eos_token_id"],
+      pad_id=ids["tokenizer.ggml.padding_token_id"],
+      chat_template=template,
       add_bos=bool(f("tokenizer.ggml.add_bos_token", False)),
   )
 

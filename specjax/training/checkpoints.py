@@ -19,12 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from specjax.errors import MalformedFileError
+
 CARD = "card.json"
 PARAMS = "params"
 
 
-class CheckpointError(ValueError):
-  pass
+class CheckpointError(MalformedFileError):
+  """A drafter checkpoint directory that is missing, damaged or for another target."""
 
 
 def target_fingerprint(params, cfg) -> str:
@@ -40,12 +42,18 @@ def target_fingerprint(params, cfg) -> str:
 
 
 def save_drafter(path: str, params, card: dict) -> None:
-  """Write params (orbax) and the card (must hold 'method' and 'target_fingerprint')."""
+  """Write params (orbax) and the card (must hold 'method' and 'target_fingerprint').
+
+  The card goes last and an old one first: a write killed midway leaves a
+  directory without a card (an error to load, redone by rerunning), never an
+  old card beside new parameters."""
   for field in ("method", "target_fingerprint"):
     if field not in card:
       raise ValueError(f"drafter card needs {field!r}")
   path = os.path.abspath(path)
   os.makedirs(path, exist_ok=True)
+  if os.path.exists(os.path.join(path, CARD)):
+    os.remove(os.path.join(path, CARD))
   target = os.path.join(path, PARAMS)
   ckptr = ocp.StandardCheckpointer()
   ckptr.save(target, jax.device_get(params), force=True)
@@ -64,10 +72,32 @@ def read_card(path: str) -> dict:
   if not os.path.exists(card_path):
     raise CheckpointError(f"{path} is not a drafter checkpoint (no {CARD})")
   try:
-    with open(card_path) as f:
-      return json.load(f)
-  except (OSError, json.JSONDecodeError) as e:
+    with open(card_path, encoding="utf-8") as f:
+      card = json.load(f)
+  except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
     raise CheckpointError(f"{card_path} is unreadable: {e}") from e
+  if not isinstance(card, dict):
+    raise CheckpointError(f"{card_path}: expected a JSON object, got {type(card).__name__}")
+  return card
+
+
+def check_params(path: str, params) -> None:
+  """Every leaf of restored drafter params is a float array of finite values
+  (CheckpointError naming the leaf otherwise)."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  if not leaves:
+    raise CheckpointError(f"{path}: the checkpoint holds no parameters")
+  for key_path, leaf in leaves:
+    name = jax.tree_util.keystr(key_path)
+    if leaf is None:
+      continue
+    arr = np.asarray(leaf)
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool
+                                   or arr.dtype == jnp.bfloat16):
+      raise CheckpointError(f"{path}: parameter {name} has dtype {arr.dtype}, not a number")
+    if not np.issubdtype(arr.dtype, np.integer) and arr.dtype != bool and \
+        not np.isfinite(arr.astype(np.float32)).all():
+      raise CheckpointError(f"{path}: parameter {name} contains NaN or inf values")
 
 
 def load_drafter(path: str, target_params=None, target_cfg=None,
@@ -84,9 +114,12 @@ def load_drafter(path: str, target_params=None, target_cfg=None,
           f"{path} was trained for another target (fingerprint "
           f"{card.get('target_fingerprint')} != this target's {fp}); train one for this "
           "model with experiments/train.py")
+  if not os.path.isdir(os.path.join(path, PARAMS)):
+    raise CheckpointError(f"{path}: the parameters ({PARAMS}/) are missing")
   try:
     params = ocp.StandardCheckpointer().restore(os.path.join(path, PARAMS))
   except Exception as e:  # orbax raises many types for damaged trees
     raise CheckpointError(f"{path}: cannot restore the parameters ({type(e).__name__}: {e})") \
         from e
+  check_params(path, params)
   return jax.tree.map(jnp.asarray, params), card

@@ -31,6 +31,7 @@ import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
+from specjax.io import jsonl
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.path.normpath(os.path.join(_REPO, os.pardir, "shared", "data"))
@@ -99,19 +100,10 @@ def interleave(sources: Sequence[str], examples: Sequence[Tuple[str, str]], num:
 
 
 def read_records(path: str) -> List[dict]:
-  if not os.path.exists(path):
-    return []
-  recs = []
-  with open(path) as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        recs.append(json.loads(line))
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: malformed record ({e}); a run killed mid-write leaves a "
-                         "partial last line: delete it and resume") from e
-  return recs
+  """The data set's whole records. A run killed mid-write leaves a cut-short
+  last line: it is dropped (and cut from the file), and the resumed run
+  generates that example again; a malformed line before it is an error."""
+  return jsonl.read(path)
 
 
 def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: int,

@@ -3,13 +3,19 @@ keep-best, progress lines, a JSONL metrics log and a PNG of the curves.
 
 Determinism: the batch of step s is a pure function of (seed, s), so a run
 killed after step s and resumed from its checkpoint sees exactly the batches
-an uninterrupted run would, and reaches the same parameters.
+an uninterrupted run would, and reaches the same parameters bit for bit
+(tests/test_fault_tolerance.py kills runs with SIGKILL to check it).
+
+The training-state checkpoint (workdir/state, `state_store.StateStore`) holds
+the parameters, the optimizer state, the step, the run's PRNG key and the data
+position: the step of the next batch and a digest of that batch. A resume
+checks all of them against the run it continues, so a workdir resumed with
+another seed, data set or batch size is an error instead of a silent hybrid.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any, Callable, Dict, Optional
@@ -17,7 +23,10 @@ from typing import Any, Callable, Dict, Optional
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
+
+from specjax.io import jsonl
+from specjax.training.checkpoints import CheckpointError
+from specjax.training.state_store import StateStore, fault_point, tree_digest
 
 
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float, clip: float):
@@ -39,7 +48,7 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
           num_steps: int, eval_fn: Optional[Callable] = None, eval_every: int = 100,
           save_every: int = 100, best_metric: str = "tau", log_every: int = 10,
           progress: Optional[Callable[[str], None]] = None,
-          stop_after: Optional[int] = None) -> TrainResult:
+          stop_after: Optional[int] = None, key: Optional[jax.Array] = None) -> TrainResult:
   """Run (or resume) training in `workdir`.
 
   step_fn(params, opt_state, batch) -> (params, opt_state, metrics dict)  (jitted)
@@ -47,34 +56,30 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
   eval_fn(params) -> metrics dict (host floats); `best_metric` among them
   is maximised by the keep-best manager (workdir/best).
   stop_after: stop (as if killed) after this many steps of this call -- tests.
+  key: the run's PRNG key (the one batch_fn derives its per-step keys from),
+  stored in the checkpoint so that a resume with another key is refused.
   """
   progress = progress or (lambda s: print(s, flush=True))
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  state_mgr = ocp.CheckpointManager(
-      os.path.join(workdir, "state"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1,
-                                           enable_async_checkpointing=False))
-  best_mgr = ocp.CheckpointManager(
-      os.path.join(workdir, "best"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=1, best_fn=lambda m: m[best_metric],
-                                           best_mode="max",
-                                           keep_checkpoints_without_metrics=False,
-                                           enable_async_checkpointing=False))
+  state_store = StateStore(os.path.join(workdir, "state"), max_to_keep=2)
+  best_store = StateStore(os.path.join(workdir, "best"), max_to_keep=1, best_metric=best_metric)
+  key_data = _key_data(key)
   params = init_params
   opt_state = optimizer.init(params)
-  start = 0
-  latest = state_mgr.latest_step()
-  if latest is not None:
-    abstract = {"params": params, "opt_state": opt_state}
-    restored = state_mgr.restore(latest, args=ocp.args.StandardRestore(
-        jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract)))
-    params, opt_state, start = restored["params"], restored["opt_state"], latest
+  template = _train_state(params, opt_state, 0, key_data, batch_fn)
+  start, restored = state_store.restore_latest(template, progress)
+  if start is None:
+    start = 0
+  else:
+    _check_resume(state_store.directory, start, restored, key_data, batch_fn)
+    params, opt_state = restored["params"], restored["opt_state"]
     progress(f"resumed from step {start} in {workdir}")
+  best_store.delete_after(start)  # keep-best saves past the checkpoint are redone
   log_path = os.path.join(workdir, "metrics.jsonl")
-  history = _read_jsonl(log_path)
+  history = jsonl.read(log_path)
   history = [h for h in history if h["step"] <= start]  # drop lines past the checkpoint
-  _write_jsonl(log_path, history)
+  jsonl.write(log_path, history)
   best = max((h[best_metric] for h in history if best_metric in h), default=None)
   t0, tokens_seen, ran = time.perf_counter(), 0, 0
   acc = {}
@@ -82,77 +87,96 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
     batch = batch_fn(step)
     params, opt_state, m = step_fn(params, opt_state, batch)
     ran += 1
+    fault_point("step", step)
     m = jax.device_get(m)
     tokens_seen += int(m.pop("positions", 0))
-    for key, v in m.items():
-      acc.setdefault(key, []).append(float(np.mean(v)))
+    for name, v in m.items():
+      acc.setdefault(name, []).append(float(np.mean(v)))
     row = None
     if step % log_every == 0 or step == num_steps:
       el = time.perf_counter() - t0
-      row = {"step": step, **{key: float(np.mean(v)) for key, v in acc.items()},
+      row = {"step": step, **{name: float(np.mean(v)) for name, v in acc.items()},
              "positions_per_s": tokens_seen / max(el, 1e-9), "elapsed_s": el}
       acc = {}
       eta = el / ran * (num_steps - step)
       progress(f"step {step}/{num_steps} " + " ".join(
-          f"{key}={row[key]:.4g}" for key in row if key not in ("step", "elapsed_s")) +
+          f"{name}={row[name]:.4g}" for name in row if name not in ("step", "elapsed_s")) +
           f" ETA {eta:.0f}s")
     if eval_fn is not None and (step % eval_every == 0 or step == num_steps):
       ev = eval_fn(params)
       row = {**(row or {"step": step}), **ev}
       progress(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in ev.items()))
-      best_mgr.save(step, args=ocp.args.StandardSave(params), metrics={k: float(v) for k, v
-                                                                         in ev.items()})
-      best_mgr.wait_until_finished()
+      best_store.save(step, params, metrics={k: float(v) for k, v in ev.items()})
       best = ev[best_metric] if best is None else max(best, ev[best_metric])
     if row is not None:
       history.append(row)
-      with open(log_path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+      jsonl.append(log_path, [row])
     if step % save_every == 0 or step == num_steps:
-      state_mgr.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
-      state_mgr.wait_until_finished()
+      state_store.save(step, _train_state(params, opt_state, step, key_data, batch_fn))
     if stop_after is not None and ran >= stop_after:
       break
+  state_store.close()
+  best_store.close()
   final_step = start + ran
   if history:
     plot_curves(history, os.path.join(workdir, "curves.png"))
   return TrainResult(params=params, step=final_step, best_metric=best, history=history)
 
 
+def _key_data(key) -> np.ndarray:
+  key = jax.random.PRNGKey(0) if key is None else key
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.key_data(key)
+  return np.asarray(key, np.uint32)
+
+
+def _train_state(params, opt_state, step: int, key_data, batch_fn) -> Dict[str, Any]:
+  """Everything a resume needs: the update's inputs, and the data position
+  (the step of the next batch, and a digest of that batch, which holds any
+  key or data-set choice behind it)."""
+  return {"params": params, "opt_state": opt_state, "step": np.asarray(step, np.int32),
+          "key": key_data,
+          "data": {"next_step": np.asarray(step + 1, np.int32),
+                   "next_batch_sha256": tree_digest(batch_fn(step + 1))}}
+
+
+def _check_resume(where: str, step: int, restored, key_data, batch_fn) -> None:
+  """The restored state continues this run: its step, key and data position."""
+  if int(restored["step"]) != step or int(restored["data"]["next_step"]) != step + 1:
+    raise CheckpointError(f"{where}/{step} holds step {int(restored['step'])} (next batch "
+                          f"{int(restored['data']['next_step'])}): a damaged checkpoint")
+  if not np.array_equal(np.asarray(restored["key"]), key_data):
+    raise CheckpointError(f"{where}/{step} was trained with PRNG key "
+                          f"{np.asarray(restored['key']).tolist()}, this run's is "
+                          f"{key_data.tolist()} (another seed?): use another workdir")
+  if not np.array_equal(np.asarray(restored["data"]["next_batch_sha256"]),
+                        tree_digest(batch_fn(step + 1))):
+    raise CheckpointError(f"{where}/{step}: this run's batch {step + 1} is not the one the "
+                          "checkpointed run would train on next (another seed, data set or "
+                          "batch shape?): resuming would not reproduce either run; use "
+                          "another workdir")
+
+
 def latest_params(workdir: str):
-  """(params, step) of the newest training-state checkpoint in workdir."""
-  mgr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "state"),
-                              options=ocp.CheckpointManagerOptions(read_only=True))
-  step = mgr.latest_step()
-  if step is None:
-    return None, None
-  meta = mgr.restore(step, args=ocp.args.StandardRestore())
-  return jax.tree.map(np.asarray, meta["params"]), step
+  """(params, step) of the newest complete training-state checkpoint in workdir."""
+  store = StateStore(os.path.join(os.path.abspath(workdir), "state"), read_only=True)
+  try:
+    step = store.latest_step()
+    return (None, None) if step is None else (store.restore(step)["params"], step)
+  finally:
+    store.close()
 
 
-def best_params(workdir: str, like):
-  mgr = ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "best"),
-                              options=ocp.CheckpointManagerOptions(
-                                  best_fn=lambda m: 0.0, read_only=True))
-  step = mgr.best_step()
-  if step is None:
-    return None, None
-  return mgr.restore(step, args=ocp.args.StandardRestore(
-      jax.tree.map(ocp.utils.to_shape_dtype_struct, like))), step
-
-
-def _read_jsonl(path):
-  if not os.path.exists(path):
-    return []
-  with open(path) as f:
-    return [json.loads(x) for x in f if x.strip()]
-
-
-def _write_jsonl(path, rows):
-  with open(path + ".tmp", "w") as f:
-    for r in rows:
-      f.write(json.dumps(r) + "\n")
-  os.replace(path + ".tmp", path)
+def best_params(workdir: str, like, metric: str = "tau"):
+  """(params, step) of the keep-best checkpoint in workdir (by `metric`),
+  checked against `like`."""
+  store = StateStore(os.path.join(os.path.abspath(workdir), "best"), max_to_keep=1,
+                     best_metric=metric, read_only=True)
+  try:
+    step = store.best_step()
+    return (None, None) if step is None else (store.restore(step, like), step)
+  finally:
+    store.close()
 
 
 def plot_curves(history, path):

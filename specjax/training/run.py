@@ -154,7 +154,8 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
   result = loop.train(workdir=c.workdir, init_params=heads0, optimizer=opt, step_fn=step_fn,
                       batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
                       eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
-                      log_every=c.log_every, progress=progress, stop_after=stop_after)
+                      log_every=c.log_every, progress=progress, stop_after=stop_after,
+                      key=jax.random.PRNGKey(c.seed))
   out = {"step": result.step, "workdir": c.workdir, "train_positions": len(pool),
          "valid_positions": len(vsub), "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps:
@@ -225,7 +226,8 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
   result = loop.train(workdir=c.workdir, init_params=head0, optimizer=opt, step_fn=step_fn,
                       batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
                       eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
-                      log_every=c.log_every, progress=progress, stop_after=stop_after)
+                      log_every=c.log_every, progress=progress, stop_after=stop_after,
+                      key=jax.random.PRNGKey(c.seed))
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_windows": len(windows), "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps:
@@ -295,7 +297,8 @@ def _run_draft_model(c, model: Model, train_seqs, valid_seqs, progress, stop_aft
   result = loop.train(workdir=c.workdir, init_params=student0, optimizer=opt, step_fn=step_fn,
                       batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
                       eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
-                      log_every=c.log_every, progress=progress, stop_after=stop_after)
+                      log_every=c.log_every, progress=progress, stop_after=stop_after,
+                      key=jax.random.PRNGKey(c.seed))
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_positions": vpool.num_positions, "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps:
