@@ -117,7 +117,7 @@ METHODS = ("ar", "draft_model", "layer_skip", "prompt_lookup", "replay", "always
 # (~15-20 s each on 2 cores). The suite runs `ci`: every method greedy on
 # (2, 4) against single-device AR, AR and a sampled EAGLE tree on (8, 1),
 # (2, 4) and (1, 8) (exact token equality), and a padded batch. The full matrix
-# (every method x every shape x both settings, ~85 programs, ~25 min here) runs
+# (every method x every shape x both settings, ~85 programs, tens of minutes) runs
 # with SPECJAX_FULL_SHARDING=1.
 FULL = os.environ.get("SPECJAX_FULL_SHARDING") == "1"
 
@@ -134,7 +134,7 @@ def test_tiny_sharded_equals_single_device():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not FULL, reason="the full matrix: SPECJAX_FULL_SHARDING=1 (~25 min)")
+@pytest.mark.skipif(not FULL, reason="the full matrix: SPECJAX_FULL_SHARDING=1 (~85 compiles)")
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
 def test_tiny_every_drafter_on_every_mesh(sampling):
   records = _run_worker(f"tiny-{sampling}", timeout=5400)
