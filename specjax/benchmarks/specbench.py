@@ -78,7 +78,7 @@ TURN_IDS = 16
 SETTINGS = ("model", "dtype", "k", "temperature", "top_k", "top_p", "batch_size",
             "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model",
             "checkpoint", "draft_vocab", "tree_nodes", "tree_mode", "tree_topk", "tree_width",
-            "draft_stop")
+            "draft_stop", "mesh")
 
 
 @dataclasses.dataclass(frozen=True)
