@@ -65,7 +65,10 @@ def test_checkpoint_errors(trained, tmp_path):
   os.makedirs(broken)
   with open(broken / checkpoints.CARD, "w") as f:
     json.dump({"method": "medusa", "target_fingerprint": "x"}, f)
-  with pytest.raises(checkpoints.CheckpointError, match="cannot restore"):
+  with pytest.raises(checkpoints.CheckpointError, match="are missing"):  # no params/
+    checkpoints.load_drafter(str(broken))
+  os.makedirs(broken / checkpoints.PARAMS)
+  with pytest.raises(checkpoints.CheckpointError, match="cannot restore|holds no parameters"):  # empty params/
     checkpoints.load_drafter(str(broken))
   with open(broken / checkpoints.CARD, "w") as f:
     f.write("{not json")
