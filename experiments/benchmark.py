@@ -8,13 +8,12 @@ Writes out/results.json, out/results.md, out/speedup.png and out/log.jsonl
 (resumable); prints the markdown table.
 """
 
-import os
 import sys
 
-import jax
 from absl import app
 from ml_collections import config_flags
 
+import specjax
 from specjax.benchmarks import specbench
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/benchmark.py", "Run configuration.")
@@ -32,9 +31,7 @@ def main(argv):
   del argv
   # Compiles (one per method and prompt bucket) cost ~30-60 s each on a 2-core
   # CPU: keep them across runs and resumes. Timed runs never include them.
-  jax.config.update("jax_compilation_cache_dir", os.environ.get(
-      "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  specjax.use_compilation_cache()
   out = specbench.run_benchmark(_CONFIG.value, progress=_progress)
   if sys.stderr.isatty():
     sys.stderr.write("\n")

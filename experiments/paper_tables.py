@@ -7,13 +7,12 @@ the expected-tokens curve. Each writes markdown + JSON + PNG under
       --config.tables=gamma,expected --config.methods=draft_model,eagle3
 """
 
-import os
 import sys
 
-import jax
 from absl import app
 from ml_collections import config_flags
 
+import specjax
 from specjax.benchmarks import paper_tables
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/paper_tables.py",
@@ -22,9 +21,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/paper_tables.py",
 
 def main(argv):
   del argv
-  jax.config.update("jax_compilation_cache_dir", os.environ.get(
-      "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  specjax.use_compilation_cache()
   out = paper_tables.run(_CONFIG.value,
                          progress=lambda line: print(line, file=sys.stderr, flush=True))
   for name, table in out.items():

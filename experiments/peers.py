@@ -7,13 +7,12 @@ Writes out/results.json, out/results.md and out/log.jsonl (resumable); prints
 the markdown table.
 """
 
-import os
 import sys
 
-import jax
 from absl import app
 from ml_collections import config_flags
 
+import specjax
 from specjax.benchmarks import peers
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/peers.py", "Run configuration.")
@@ -27,9 +26,7 @@ def _progress(line: str) -> None:
 def main(argv):
   del argv
   # Compiles are excluded from the timings; the cache only saves their wall time.
-  jax.config.update("jax_compilation_cache_dir", os.environ.get(
-      "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  specjax.use_compilation_cache()
   out = peers.run_peers(_CONFIG.value, progress=_progress)
   print(out["markdown"])
 

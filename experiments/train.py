@@ -5,13 +5,12 @@
 """
 
 import json
-import os
 
-import jax
 from absl import app
 from absl import logging
 from ml_collections import config_flags
 
+import specjax
 from specjax.training import run
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/medusa.py", "Training config.")
@@ -23,8 +22,7 @@ def main(argv):
   # A killed run restarts with the same command: keep its compiles, so a
   # resume costs the restore, not the first step's compile again (jax's
   # default threshold, 1 s of compile time, or JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS).
-  jax.config.update("jax_compilation_cache_dir", os.environ.get(
-      "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
+  specjax.use_compilation_cache()
   out = run.run(_CONFIG.value)
   print(json.dumps(out, indent=1, default=str))
 

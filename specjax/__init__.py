@@ -15,3 +15,15 @@ if not _os.environ.get("SPECJAX_KEEP_XLA_FLAGS"):
   _flags = _os.environ.get("XLA_FLAGS", "")
   if "xla_disable_hlo_passes" not in _flags:
     _os.environ["XLA_FLAGS"] = (_flags + " " + _FLAG).strip()
+
+
+def use_compilation_cache(min_compile_time_s: float = 1.0) -> str:
+  """Keep compiled XLA programs on disk across processes (experiments, test
+  workers, resumed runs): $SPECJAX_JAX_CACHE or ~/.cache/specjax/xla. Results
+  never depend on it; only compile time does. -> the cache directory."""
+  import jax  # pylint: disable=import-outside-toplevel
+  path = _os.environ.get("SPECJAX_JAX_CACHE",
+                         _os.path.join(_os.path.expanduser("~"), ".cache", "specjax", "xla"))
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_time_s)
+  return path

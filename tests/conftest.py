@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+import specjax
 from specjax.io import gguf as gguf_io
 from specjax.io.load import load_model
 from specjax.models import transformer
@@ -29,9 +30,7 @@ jax.config.update("jax_enable_x64", False)
 # Compiles dominate the suite's time on a 2-core CPU: keep XLA executables in a
 # persistent cache, so a second run on the same machine skips them. A cold
 # cache only costs the compiles themselves; results never depend on it.
-jax.config.update("jax_compilation_cache_dir", os.environ.get(
-    "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+specjax.use_compilation_cache()
 
 SMOLLM2 = "smollm2-135m"
 

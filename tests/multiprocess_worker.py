@@ -21,7 +21,7 @@ import sys
 
 def main(argv):
   pid, nproc, port, out = int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-  import specjax  # pylint: disable=import-outside-toplevel,unused-import  (XLA_FLAGS first)
+  import specjax  # pylint: disable=import-outside-toplevel  (XLA_FLAGS first)
   from specjax import distributed  # pylint: disable=import-outside-toplevel
   distributed.initialize(nproc, pid, port, local_devices=4)
 
@@ -38,9 +38,7 @@ def main(argv):
   from specjax.models.config import tiny_config  # pylint: disable=import-outside-toplevel
   from specjax.training import draft_train, loop  # pylint: disable=import-outside-toplevel
 
-  jax.config.update("jax_compilation_cache_dir", os.environ.get(
-      "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  specjax.use_compilation_cache()
   result = {"process_id": pid, "process_count": jax.process_count(),
             "devices": jax.device_count(), "local_devices": jax.local_device_count()}
 

@@ -20,7 +20,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 
 import json  # pylint: disable=wrong-import-position
 
-import specjax  # pylint: disable=unused-import,wrong-import-position  (sets XLA_FLAGS first)
+import specjax  # pylint: disable=wrong-import-position  (sets XLA_FLAGS first)
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
@@ -137,9 +137,7 @@ def run_smollm2():
 
 
 def main(argv):
-  jax.config.update("jax_compilation_cache_dir", os.environ.get(
-      "SPECJAX_JAX_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla")))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  specjax.use_compilation_cache()
   assert jax.device_count() == 8, jax.devices()
   suite = argv[1] if len(argv) > 1 else "tiny"
   if suite in ("tiny", "tiny-greedy", "tiny-sampled"):
