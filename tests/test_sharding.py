@@ -146,10 +146,10 @@ def test_tiny_every_drafter_on_every_mesh(sampling):
 
 @pytest.mark.slow
 def test_smollm2_sharded_equals_single_device():
-  """The real model (9 query / 3 KV heads) on (1, 8): vocabulary, MLP and the
-  attention input split 8 ways."""
+  """The real model (9 query / 3 KV heads) on (1, 8), AR greedy and sampled:
+  vocabulary, MLP and the attention input split 8 ways (the drafters' loops
+  are checked on the tiny target)."""
   records = _run_worker("smollm2", timeout=3600)
   seen = {(r["method"], tuple(r["mesh"]), r["sampling"]) for r in records}
-  assert seen == {(m, (1, 8), s) for m in ("ar", "prompt_lookup")
-                  for s in ("greedy", "sampled")}
+  assert seen == {("ar", (1, 8), s) for s in ("greedy", "sampled")}
   _assert_same(records)
