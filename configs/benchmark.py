@@ -39,6 +39,10 @@ def get_config(arg=None):
   c.seed = 0
   c.repeats = 3  # timed runs per method and question, interleaved with AR
   c.out = "/tmp/specjax_benchmark"
+  # several processes of one JAX job on this machine share the units
+  # (loopback, gloo); each decodes on its own local_devices (0: JAX's default)
+  c.processes = 1
+  c.local_devices = 0
   c.calibrate = True  # measure forward / drafter costs for the predicted-speedup column
   # Drafter settings (specjax.drafters.registry; None: the method's default).
   registry.add_config_fields(c)

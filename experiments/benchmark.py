@@ -14,6 +14,7 @@ from absl import app
 from ml_collections import config_flags
 
 import specjax
+from specjax import distributed
 from specjax.benchmarks import specbench
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/benchmark.py", "Run configuration.")
@@ -29,13 +30,20 @@ def _progress(line: str) -> None:
 
 def main(argv):
   del argv
+  # --config.processes=N: N processes of one JAX job share the units (this
+  # command starts them; process 0 writes the results, the others log to
+  # out/process_<i>.log)
+  status = distributed.run_as_job(_CONFIG.value, log_dir=_CONFIG.value.out)
+  if status is not None:
+    sys.exit(status)
   # Compiles (one per method and prompt bucket) cost ~30-60 s each on a 2-core
   # CPU: keep them across runs and resumes. Timed runs never include them.
   specjax.use_compilation_cache()
   out = specbench.run_benchmark(_CONFIG.value, progress=_progress)
   if sys.stderr.isatty():
     sys.stderr.write("\n")
-  print(out["markdown"])
+  if distributed.is_primary():
+    print(out["markdown"])
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from absl import app
 from ml_collections import config_flags
 
 import specjax
+from specjax import distributed
 from specjax.benchmarks import paper_tables
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/paper_tables.py",
@@ -21,11 +22,18 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/paper_tables.py",
 
 def main(argv):
   del argv
+  # --config.processes=N: N processes of one JAX job share the units (this
+  # command starts them; process 0 writes the results, the others log to
+  # out/process_<i>.log)
+  status = distributed.run_as_job(_CONFIG.value, log_dir=_CONFIG.value.out)
+  if status is not None:
+    sys.exit(status)
   specjax.use_compilation_cache()
   out = paper_tables.run(_CONFIG.value,
                          progress=lambda line: print(line, file=sys.stderr, flush=True))
   for name, table in out.items():
-    print(f"## {name}\n\n{table['markdown']}")
+    if distributed.is_primary():
+      print(f"## {name}\n\n{table['markdown']}")
 
 
 if __name__ == "__main__":

@@ -21,9 +21,14 @@ on its own devices and `gather_rows` collects every process's rows.
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import socket
-from typing import Optional, Sequence
+import subprocess
+import sys
+import time
+from typing import Callable, Optional, Sequence, TypeVar
 
 import jax
 import numpy as np
@@ -31,6 +36,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax import sharding
 
+ENV_PROCESSES, ENV_PROCESS_ID, ENV_PORT, ENV_LOCAL_DEVICES = (
+    "SPECJAX_NUM_PROCESSES", "SPECJAX_PROCESS_ID", "SPECJAX_PORT", "SPECJAX_LOCAL_DEVICES")
+T = TypeVar("T")
 
 def free_port() -> int:
   """A TCP port free on the loopback interface (for the coordinator)."""
@@ -58,13 +66,135 @@ def initialize(num_processes: int, process_id: int, port: int,
 def from_env() -> bool:
   """`initialize` from SPECJAX_NUM_PROCESSES / SPECJAX_PROCESS_ID / SPECJAX_PORT
   (and SPECJAX_LOCAL_DEVICES) when set; -> whether it did."""
-  n = os.environ.get("SPECJAX_NUM_PROCESSES")
+  n = os.environ.get(ENV_PROCESSES)
   if not n or int(n) <= 1:
     return False
-  local = os.environ.get("SPECJAX_LOCAL_DEVICES")
-  initialize(int(n), int(os.environ["SPECJAX_PROCESS_ID"]), int(os.environ["SPECJAX_PORT"]),
+  local = os.environ.get(ENV_LOCAL_DEVICES)
+  initialize(int(n), int(os.environ[ENV_PROCESS_ID]), int(os.environ[ENV_PORT]),
              int(local) if local else None)
+  _exit_hard_on_error()
   return True
+
+
+def _exit_hard_on_error() -> None:
+  """A process of a job that fails must exit at once: JAX's exit handler
+  would wait in the job's shutdown barrier for processes that are waiting
+  for this one (the launcher then stops the rest)."""
+  previous = sys.excepthook
+
+  def hook(kind, value, tb):
+    previous(kind, value, tb)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)  # pylint: disable=protected-access
+
+  sys.excepthook = hook
+
+
+def multi_process() -> bool:
+  """Whether this process is one of several in a JAX job."""
+  return jax.process_count() > 1
+
+
+def is_primary() -> bool:
+  """Process 0: the one that writes files (data, checkpoints, logs, exports)."""
+  return jax.process_index() == 0
+
+
+_BARRIERS = itertools.count()
+
+
+def barrier(name: str, timeout_s: float = 6 * 3600) -> None:
+  """Every process waits here until all have arrived (the coordination
+  service's barrier: no device collective, so a long wait -- process 0
+  generating the training data -- does not time out a collective). A no-op
+  in a one-process job. Every process must call the same barriers in order."""
+  if not multi_process():
+    return
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  jax_distributed.global_state.client.wait_at_barrier(
+      f"specjax/{next(_BARRIERS)}/{name}", int(timeout_s * 1000))
+
+
+def primary_first(name: str, fn: Callable[[], T]) -> T:
+  """fn() on process 0, then on the others: work that writes a file (training
+  data, a feature cache) that the others then only read. -> fn()'s value."""
+  if not multi_process():
+    return fn()
+  if is_primary():
+    out = fn()
+    barrier(name)
+    return out
+  barrier(name)
+  return fn()
+
+
+def launch(argv: Sequence[str], num_processes: int, local_devices: Optional[int] = None,
+           log_dir: Optional[str] = None, poll_s: float = 0.2) -> int:
+  """Run `argv` as `num_processes` processes of one JAX job on this machine
+  (loopback coordinator on a free port; each child reads its place from the
+  environment with `from_env`). Process 0's output goes to this process's
+  stdout; the others' to log_dir/process_<i>.log (or are dropped). When one
+  child fails, the others are killed (a collective would wait for it
+  forever); rerunning the same command resumes from process 0's
+  checkpoints. -> 0, or the first failing child's exit status."""
+  if num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the children force their own device counts
+  env[ENV_PROCESSES], env[ENV_PORT] = str(num_processes), str(free_port())
+  if local_devices:
+    env[ENV_LOCAL_DEVICES] = str(int(local_devices))
+  if log_dir:
+    os.makedirs(log_dir, exist_ok=True)
+  procs, files = [], []
+  try:
+    for i in range(num_processes):
+      out = None
+      if i:
+        out = (open(os.path.join(log_dir, f"process_{i}.log"), "w") if log_dir
+               else subprocess.DEVNULL)
+        if log_dir:
+          files.append(out)
+      procs.append(subprocess.Popen(list(argv), env={**env, ENV_PROCESS_ID: str(i)},
+                                    stdout=out, stderr=subprocess.STDOUT if i else None))
+    while True:
+      codes = [p.poll() for p in procs]
+      failed = [c for c in codes if c not in (None, 0)]
+      if failed:
+        return failed[0]
+      if all(c == 0 for c in codes):
+        return 0
+      time.sleep(poll_s)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    for f in files:
+      f.close()
+
+
+def child_argv() -> list:
+  """This process's own command line (python + script + flags), to `launch`."""
+  return [sys.executable] + list(sys.argv)
+
+
+def run_as_job(c, log_dir: Optional[str] = None) -> Optional[int]:
+  """For an experiment's main(), with a run config holding `processes` and
+  `local_devices`: when processes > 1 and this is not yet one of a job's
+  processes, start the job (this same command, `launch`) and return its exit
+  status; in one of a job's processes, join the job (`from_env`) and return
+  None; in a plain one-process run, None."""
+  processes = int(c.get("processes", 1) or 1)
+  if processes < 1:
+    from specjax.errors import ConfigValueError  # pylint: disable=import-outside-toplevel
+    raise ConfigValueError(f"processes must be >= 1, got {processes}")
+  if processes > 1 and not os.environ.get(ENV_PROCESSES):
+    return launch(child_argv(), processes, int(c.get("local_devices", 0) or 0) or None,
+                  log_dir=log_dir)
+  from_env()
+  return None
 
 
 def global_mesh(model: int = 1) -> Mesh:
@@ -85,9 +215,15 @@ def replicate(tree, mesh: Mesh):
   return jax.tree.map(one, tree)
 
 
-def global_batch(batch, mesh: Mesh):
+def global_batch(batch, mesh: Mesh, replicated: Sequence[str] = ()):
   """A host batch (the same global batch on every process) as arrays split
-  over `data` on the leading axis; each process supplies its devices' rows."""
+  over `data` on the leading axis; each process supplies its devices' rows.
+  Top-level entries of a dict batch named in `replicated` (a step's PRNG
+  key) are replicated instead."""
+  if replicated and isinstance(batch, dict):
+    rest = {k: v for k, v in batch.items() if k not in replicated}
+    return {**global_batch(rest, mesh),
+            **replicate({k: v for k, v in batch.items() if k in replicated}, mesh)}
   spec = NamedSharding(mesh, P(sharding.DATA))
 
   def one(x):
@@ -105,26 +241,34 @@ def _placed(tree, mesh: Mesh) -> bool:
              and x.sharding.mesh == mesh for x in jax.tree.leaves(tree))
 
 
-def data_parallel_step(step, mesh: Mesh):
+def data_parallel_step(step, mesh: Mesh, replicated: Sequence[str] = ("key",)):
   """step(params, opt_state, batch) run over the mesh: params and optimizer
   state replicated (placed on the first call; what the step returns is
-  already placed), the host batch split over `data`. Fits
-  `specjax.training.loop.train`'s step_fn."""
+  already placed), the host batch split over `data` (but its `replicated`
+  entries). Fits `specjax.training.loop.train`'s step_fn."""
 
   def wrapped(params, opt_state, batch):
     if not _placed(params, mesh):
       params = replicate(params, mesh)
     if not _placed(opt_state, mesh):
       opt_state = replicate(opt_state, mesh)
-    return step(params, opt_state, global_batch(batch, mesh))
+    return step(params, opt_state, global_batch(batch, mesh, replicated))
 
   return wrapped
 
 
 def to_host(tree):
-  """Replicated global arrays -> numpy (this process's copy)."""
-  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0))
-                      if isinstance(x, jax.Array) else np.asarray(x), tree)
+  """Replicated global arrays -> numpy (this process's copy); PRNG key
+  arrays stay keys."""
+
+  def one(x):
+    if not isinstance(x, jax.Array):
+      return np.asarray(x)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      return x if x.is_fully_addressable else x.addressable_data(0)
+    return np.asarray(x.addressable_data(0))
+
+  return jax.tree.map(one, tree)
 
 
 def local_share(num_items: int, process_id: Optional[int] = None,

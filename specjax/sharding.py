@@ -102,7 +102,8 @@ def make_mesh(shape=None, devices: Optional[Sequence[Any]] = None) -> Mesh:
 def mesh_from_config(c) -> Optional[Mesh]:
   """The mesh a run config's `mesh` field names ('' or absent: none)."""
   spec = getattr(c, "mesh", None) if not isinstance(c, dict) else c.get("mesh")
-  return None if parse_mesh_shape(spec) is None else make_mesh(spec)
+  # this process's devices (in a multi-process job each process decodes its own share)
+  return None if parse_mesh_shape(spec) is None else make_mesh(spec, jax.local_devices())
 
 
 def _name(path) -> Optional[str]:

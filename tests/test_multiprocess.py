@@ -77,3 +77,94 @@ def test_data_parallel_sweep_equals_one_process(job):
       if s["sampling"] == "sampled":
         assert s["status"] == "identical", s
   assert job[0]["sweep"] == job[1]["sweep"]
+
+
+# --- the experiments themselves, with --config.processes=2 ---------------------------
+
+REPO = os.path.dirname(os.path.dirname(WORKER))
+
+
+def _experiment(script, *flags, env=None, timeout=TIMEOUT_S):
+  """python experiments/<script> <flags> -> (returncode, stdout + stderr)."""
+  full_env = dict(os.environ)
+  full_env.pop("XLA_FLAGS", None)
+  full_env["PYTHONPATH"] = os.pathsep.join([REPO, full_env.get("PYTHONPATH", "")])
+  full_env.update(env or {})
+  p = subprocess.run([sys.executable, os.path.join(REPO, "experiments", script), *flags],
+                     env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                     timeout=timeout, cwd=REPO)
+  return p.returncode, p.stdout
+
+
+TRAIN_FLAGS = ("--config=configs/draft_model.py:tiny", "--config.steps=20",
+               "--config.save_every=5", "--config.eval_every=10")
+
+
+def test_train_experiment_data_parallel_two_processes_kill_and_resume(tmp_path):
+  """experiments/train.py --config.processes=2 --config.local_devices=2: one job
+  of 2 processes x 2 devices trains the tiny draft model data-parallel. A
+  SIGKILL of process 0 at step 13 ends the job (the launcher kills the other
+  process and fails); the same command resumes from process 0's step-10
+  checkpoint and finishes with the parameters of a one-process run."""
+  from specjax.training import loop  # pylint: disable=import-outside-toplevel
+  dp = str(tmp_path / "dp")
+  flags = (*TRAIN_FLAGS, "--config.processes=2", "--config.local_devices=2",
+           f"--config.workdir={dp}")
+  rc, log = _experiment("train.py", *flags, env={"SPECJAX_FAULT_AT": "step@13"})
+  assert rc != 0, log  # killed
+  steps = sorted(int(s) for s in os.listdir(os.path.join(dp, "state")) if s.isdigit())
+  assert steps and steps[-1] == 10, steps
+  rc, log = _experiment("train.py", *flags)
+  assert rc == 0, log[-4000:]
+  assert "resumed from step 10" in log, log[-4000:]
+  assert os.path.exists(os.path.join(dp, "process_1.log"))  # the second process's output
+  one = str(tmp_path / "one")
+  rc, log1 = _experiment("train.py", *TRAIN_FLAGS, f"--config.workdir={one}")
+  assert rc == 0, log1[-4000:]
+  got, step = loop.latest_params(dp)
+  want, step1 = loop.latest_params(one)
+  assert step == step1 == 20
+  diffs = [float(abs(a - b).max()) for a, b in zip(_leaves(got), _leaves(want))]
+  assert max(diffs) < 1e-5, diffs
+  # the metrics log has each logged step once (written by process 0 only)
+  steps_logged = [json.loads(line)["step"] for line in open(os.path.join(dp, "metrics.jsonl"))]
+  assert steps_logged == sorted(set(steps_logged)) and steps_logged[-1] == 20, steps_logged
+
+
+def _leaves(tree):
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+
+BENCH_QUESTIONS = [{"question_id": i, "category": c, "turns": [t]} for i, (c, t) in enumerate([
+    ("copy", "Name a color."), ("copy", "Name a fruit."), ("count", "Count to three."),
+    ("count", "Count to four.")])]
+
+
+def test_benchmark_experiment_two_processes_equals_one(tmp_path, tiny_gguf):
+  """experiments/benchmark.py --config.processes=2: the two processes share the
+  units (each logs its own part; process 0 merges and writes the results);
+  the merged log holds every unit once, with the outputs of a one-process run."""
+  prompts = tmp_path / "q.jsonl"
+  prompts.write_text("".join(json.dumps(q) + "\n" for q in BENCH_QUESTIONS))
+  flags = ("--config=configs/benchmark.py", f"--config.model={tiny_gguf.path}",
+           f"--config.prompts={prompts}", "--config.methods=prompt_lookup@k=2",
+           "--config.max_new_tokens=6", "--config.repeats=1", "--config.calibrate=False")
+  runs = {}
+  for n in (2, 1):
+    out = str(tmp_path / f"p{n}")
+    rc, log = _experiment("benchmark.py", *flags, f"--config.processes={n}",
+                          f"--config.out={out}")
+    assert rc == 0, log[-4000:]
+    with open(os.path.join(out, "log.jsonl")) as f:
+      runs[n] = [json.loads(line) for line in f]
+    assert os.path.exists(os.path.join(out, "results.json"))
+    assert not [p for p in os.listdir(out) if p.startswith("log.process")]  # merged
+  assert len(runs[2]) == len(runs[1]) == 2 * len(BENCH_QUESTIONS)  # AR + method per unit
+  key = lambda r: (r["unit"], r["method"])  # noqa: E731
+  assert sorted(map(key, runs[2])) == sorted(map(key, runs[1]))
+  tokens = lambda rs: {key(r): r["tokens"] for r in rs}  # noqa: E731
+  assert tokens(runs[2]) == tokens(runs[1])
+  # both processes decoded: the second process's log names units it ran
+  assert "q" in open(tmp_path / "p2" / "process_1.log").read()

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import hashlib
 import json
 import math
@@ -51,12 +52,13 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import distributed
 from specjax import sampling as sampling_lib
 from specjax import sharding
 from specjax.analysis import calibration as calibration_lib
@@ -71,6 +73,7 @@ from specjax.io.load import Model, load_model
 from specjax.models.cache import round_up
 
 LOG = "log.jsonl"
+PART_LOG = "log.process{}.jsonl"  # one process's records in a multi-process run
 ALL = "all"
 # Request ids (key derivation): question_id * TURN_IDS + turn.
 TURN_IDS = 16
@@ -555,6 +558,19 @@ def read_log(path: str) -> List[dict]:
   return jsonl.read(path)
 
 
+def _read_logs(out: str) -> List[dict]:
+  """The run directory's records: its log, then any part logs of a
+  multi-process run not yet merged (a record of a unit and method once)."""
+  records, seen = [], set()
+  parts = sorted(glob.glob(os.path.join(out, PART_LOG.format("*"))))
+  for path in [os.path.join(out, LOG)] + parts:
+    for r in read_log(path):
+      if (r["unit"], r["method"]) not in seen:
+        seen.add((r["unit"], r["method"]))
+        records.append(r)
+  return records
+
+
 def _clock(s: float) -> str:
   s = int(s)
   return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -632,18 +648,26 @@ def run_benchmark(c, model: Optional[Model] = None,
   settings = _settings(c)
   settings_id = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
   log_path = os.path.join(c.out, LOG)
-  old = read_log(log_path)
+  # Several processes (`distributed`): each decodes its share of the units
+  # left into its own log (PART_LOG), and process 0 merges them into the log.
+  # A killed job's part logs are read back on resume like the log itself.
+  old = _read_logs(c.out)
   if any(r["settings"] != settings_id for r in old):
     raise ValueError(f"{log_path} holds results of other settings; use another `out` "
                      f"directory (settings now: {settings})")
-  with open(os.path.join(c.out, "settings.json"), "w") as f:
-    json.dump(settings, f, indent=1)
+  distributed.barrier("bench/read")  # every process has read the logs before any appends
+  if distributed.is_primary():
+    with open(os.path.join(c.out, "settings.json"), "w") as f:
+      json.dump(settings, f, indent=1)
   done = {(r["unit"], r["method"]): r for r in old}
 
   engine = None
   todo = [u for u in units if any((unit_id(u), m) not in done for m in ["ar", *methods])]
   total_q = sum(len(u) for u in units)
   q_done = total_q - sum(len(u) for u in todo)
+  if distributed.multi_process():
+    todo = [todo[i] for i in distributed.local_share(len(todo))]
+    log_path = os.path.join(c.out, PART_LOG.format(jax.process_index()))
   t_work = time.perf_counter()
   for n, unit in enumerate(todo):
     if engine is None:
@@ -665,6 +689,14 @@ def run_benchmark(c, model: Optional[Model] = None,
     for rec in recs:
       done[(rec["unit"], rec["method"])] = rec
     q_done += len(unit)
+  if distributed.multi_process():
+    distributed.barrier("bench/decoded")
+    if distributed.is_primary():  # merge every process's part into the log
+      jsonl.write(os.path.join(c.out, LOG), _read_logs(c.out))
+      for part in glob.glob(os.path.join(c.out, PART_LOG.format("*"))):
+        os.remove(part)
+    distributed.barrier("bench/merged")
+    done = {(r["unit"], r["method"]): r for r in read_log(os.path.join(c.out, LOG))}
 
   wanted = {unit_id(u) for u in units}
   records = [r for (u, m), r in done.items() if u in wanted and m in methods]
@@ -680,26 +712,31 @@ def run_benchmark(c, model: Optional[Model] = None,
   }
   calib = None
   calib_path = os.path.join(c.out, "calibration.json")
+  primary = distributed.is_primary()
   if c.get("calibrate", True) and units:
     # Measured once per run directory (a resumed run reuses it; delete the file
-    # to measure again).
+    # to measure again); by process 0 in a multi-process run.
     calib = _read_calibration(calib_path)
     missing = [m for m in methods if m not in calib]
-    if missing:
+    if missing and primary:
       model = model or (engine.model if engine else load_model(c.model, c.dtype))
       progress("calibrating: forward cost t_verify(n) and each drafter's proposal cost")
       calib.update(calibrate(model, c, missing, units[0], sampling))
       with open(calib_path, "w") as f:
         json.dump(calib, f, indent=1)
+    distributed.barrier("bench/calibrated")
+    if not primary:
+      calib = _read_calibration(calib_path)
   results = summarize(records, methods, meta, calib)
   extra = {"repeats": repeats, "runtime_s": round(time.perf_counter() - t_start, 1),
            "compile_s": round(engine.compile_s, 1) if engine else 0.0,
            "timed_runs_this_call": engine.runs if engine else 0}
   md = format_markdown(results, extra)
-  with open(os.path.join(c.out, "results.json"), "w") as f:
-    json.dump(results, f, indent=1)
-  with open(os.path.join(c.out, "results.md"), "w") as f:
-    f.write(md)
-  plot_speedup(results, os.path.join(c.out, "speedup.png"))
+  if primary:
+    with open(os.path.join(c.out, "results.json"), "w") as f:
+      json.dump(results, f, indent=1)
+    with open(os.path.join(c.out, "results.md"), "w") as f:
+      f.write(md)
+    plot_speedup(results, os.path.join(c.out, "speedup.png"))
   return {"results": results, "markdown": md, "runs": extra["timed_runs_this_call"],
           "runtime_s": extra["runtime_s"], "compile_s": extra["compile_s"]}

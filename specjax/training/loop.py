@@ -24,6 +24,7 @@ import jax
 import numpy as np
 import optax
 
+from specjax import distributed
 from specjax.io import jsonl
 from specjax.training.checkpoints import CheckpointError
 from specjax.training.state_store import StateStore, fault_point, tree_digest
@@ -59,11 +60,24 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
   key: the run's PRNG key (the one batch_fn derives its per-step keys from),
   stored in the checkpoint so that a resume with another key is refused.
   """
+  # In a multi-process job (step_fn from distributed.data_parallel_step) every
+  # process runs this loop in lockstep; process 0 alone writes checkpoints,
+  # metrics and curves (host copies of the replicated state), the others
+  # restore from its checkpoints.
+  primary = distributed.is_primary()
   progress = progress or (lambda s: print(s, flush=True))
+  if not primary:
+    progress = lambda s: None  # pylint: disable=unnecessary-lambda-assignment
+  host = distributed.to_host if distributed.multi_process() else (lambda t: t)
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
-  state_store = StateStore(os.path.join(workdir, "state"), max_to_keep=2)
-  best_store = StateStore(os.path.join(workdir, "best"), max_to_keep=1, best_metric=best_metric)
+  if primary:
+    os.makedirs(workdir, exist_ok=True)
+    state_store = StateStore(os.path.join(workdir, "state"), max_to_keep=2)
+    best_store = StateStore(os.path.join(workdir, "best"), max_to_keep=1,
+                            best_metric=best_metric)
+  distributed.barrier("train/open")  # process 0 has cleaned up what a kill left
+  if not primary:
+    state_store = StateStore(os.path.join(workdir, "state"), read_only=True)
   key_data = _key_data(key)
   params = init_params
   opt_state = optimizer.init(params)
@@ -75,11 +89,15 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
     _check_resume(state_store.directory, start, restored, key_data, batch_fn)
     params, opt_state = restored["params"], restored["opt_state"]
     progress(f"resumed from step {start} in {workdir}")
-  best_store.delete_after(start)  # keep-best saves past the checkpoint are redone
+  if not primary:
+    state_store.close()
   log_path = os.path.join(workdir, "metrics.jsonl")
   history = jsonl.read(log_path)
   history = [h for h in history if h["step"] <= start]  # drop lines past the checkpoint
-  jsonl.write(log_path, history)
+  distributed.barrier("train/restored")  # everyone read the state before it changes
+  if primary:
+    best_store.delete_after(start)  # keep-best saves past the checkpoint are redone
+    jsonl.write(log_path, history)
   best = max((h[best_metric] for h in history if best_metric in h), default=None)
   t0, tokens_seen, ran = time.perf_counter(), 0, 0
   acc = {}
@@ -88,7 +106,7 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
     params, opt_state, m = step_fn(params, opt_state, batch)
     ran += 1
     fault_point("step", step)
-    m = jax.device_get(m)
+    m = jax.device_get(host(m))
     tokens_seen += int(m.pop("positions", 0))
     for name, v in m.items():
       acc.setdefault(name, []).append(float(np.mean(v)))
@@ -103,24 +121,29 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
           f"{name}={row[name]:.4g}" for name in row if name not in ("step", "elapsed_s")) +
           f" ETA {eta:.0f}s")
     if eval_fn is not None and (step % eval_every == 0 or step == num_steps):
-      ev = eval_fn(params)
+      ev = eval_fn(host(params))  # every process: the same host copy, the same figures
       row = {**(row or {"step": step}), **ev}
       progress(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in ev.items()))
-      best_store.save(step, params, metrics={k: float(v) for k, v in ev.items()})
+      if primary:
+        best_store.save(step, host(params), metrics={k: float(v) for k, v in ev.items()})
       best = ev[best_metric] if best is None else max(best, ev[best_metric])
     if row is not None:
       history.append(row)
-      jsonl.append(log_path, [row])
-    if step % save_every == 0 or step == num_steps:
-      state_store.save(step, _train_state(params, opt_state, step, key_data, batch_fn))
+      if primary:
+        jsonl.append(log_path, [row])
+    if primary and (step % save_every == 0 or step == num_steps):
+      state_store.save(step, _train_state(host(params), host(opt_state), step, key_data,
+                                          batch_fn))
     if stop_after is not None and ran >= stop_after:
       break
-  state_store.close()
-  best_store.close()
+  if primary:
+    state_store.close()
+    best_store.close()
+  distributed.barrier("train/done")  # the others may now read process 0's best/
   final_step = start + ran
-  if history:
+  if history and primary:
     plot_curves(history, os.path.join(workdir, "curves.png"))
-  return TrainResult(params=params, step=final_step, best_metric=best, history=history)
+  return TrainResult(params=host(params), step=final_step, best_metric=best, history=history)
 
 
 def _key_data(key) -> np.ndarray:

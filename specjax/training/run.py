@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import distributed
 from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
 from specjax.drafters import eagle, medusa
@@ -62,6 +63,11 @@ def base_config(method: str, **overrides):
   c.save_every = 250
   c.log_every = 25
   c.workdir = f"/tmp/specjax_train/{method}"
+  # data-parallel over several processes of one JAX job on this machine
+  # (experiments/train.py starts them; process 0 writes data, checkpoints and
+  # the export): processes x local_devices devices on the `data` axis
+  c.processes = 1
+  c.local_devices = 0  # host CPU devices per process; 0: JAX's default
   c.update(overrides)
   return c
 
@@ -99,12 +105,14 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
     records = _tiny_records(model, c)
   else:
     data_path = c.data_path or os.path.join(c.workdir, "distill.jsonl")
-    records = distill_data.generate_dataset(
+    # Several processes: process 0 generates (or finishes) the data file, the
+    # others then read it.
+    records = distributed.primary_first("data", lambda: distill_data.generate_dataset(
         model, data_path, sources=[s.strip() for s in c.sources.split(",")],
         num_examples=c.num_examples, seed=c.seed, max_new_tokens=c.max_new_tokens,
         max_prompt_tokens=c.max_prompt_tokens, batch_size=c.gen_batch_size,
         sample_fraction=c.sample_fraction, valid_fraction=c.valid_fraction,
-        model_name=c.model, progress=progress)
+        model_name=c.model, progress=progress))
   n_ref = int(c.get("reference_examples", 0) or 0)
   if n_ref and model.tokenizer is not None:
     ref = distill_data.reference_records(
@@ -136,7 +144,8 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
   # 3. training
   heads0 = medusa.init_heads(jax.random.PRNGKey(c.seed), c.num_heads, model.cfg.dim)
   opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
-  step_fn = medusa_train.make_step(opt, model.params, model.cfg, c.decay)
+  step_target, dp = _data_parallel(model)
+  step_fn = dp(medusa_train.make_step(opt, step_target, model.cfg, c.decay))
 
   def batch_fn(step):
     rng = np.random.default_rng([c.seed, step])
@@ -158,8 +167,8 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
                       key=jax.random.PRNGKey(c.seed))
   out = {"step": result.step, "workdir": c.workdir, "train_positions": len(pool),
          "valid_positions": len(vsub), "wall_s": time.perf_counter() - t_start}
-  if result.step < c.steps:
-    return out  # stopped early (killed / stop_after): nothing to export yet
+  if result.step < c.steps or not distributed.is_primary():
+    return out  # stopped early (killed / stop_after): nothing to export yet; or not process 0
   best, best_step = loop.best_params(c.workdir, heads0)
   best = best if best is not None else result.params
   final_eval = eval_fn(best)
@@ -177,6 +186,24 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
   return out
 
 
+def _data_parallel(model: Model):
+  """(target params for the training step, wrap(step_fn)). One process: the
+  target's params and the step unchanged. Several (`distributed`): the step
+  runs data-parallel over every device of every process (a (data, 1) mesh;
+  each process supplies its devices' rows of the same global batch), so it
+  needs the target's params replicated over that mesh."""
+  if not distributed.multi_process():
+    return model.params, lambda step: step
+  mesh = distributed.global_mesh()
+  return (distributed.replicate(model.params, mesh),
+          lambda step: distributed.data_parallel_step(step, mesh))
+
+
+def _pools(name: str, build):
+  """build() once per job: process 0 first (it writes the feature cache), then the others."""
+  return distributed.primary_first(name, build)
+
+
 def _feature_cache(c) -> Optional[str]:
   """The feature cache directory (none for the tiny test target)."""
   if c.model == TINY:
@@ -190,11 +217,12 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
   fused = c.method == "eagle3"
   taps = eagle.eagle3_layers(cfg) if fused else ()
   t0 = time.perf_counter()
-  pool = eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len, taps=taps,
-                                   batch_size=c.feature_batch, progress=progress,
-                                   cache_dir=_feature_cache(c))
-  vpool = eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len, taps=taps,
-                                    batch_size=c.feature_batch, cache_dir=_feature_cache(c))
+  pool, vpool = _pools("features", lambda: (
+      eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len, taps=taps,
+                                batch_size=c.feature_batch, progress=progress,
+                                cache_dir=_feature_cache(c)),
+      eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len, taps=taps,
+                                batch_size=c.feature_batch, cache_dir=_feature_cache(c))))
   progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
            f"{time.perf_counter() - t0:.0f}s")
   vocab = None
@@ -207,9 +235,10 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
     vocab = jnp.asarray(vocab)
   head0 = eagle.init_head(jax.random.PRNGKey(c.seed), cfg, fused=fused)
   opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
-  step_fn = eagle_train.make_step(opt, model.params, cfg, vocab=vocab, steps=c.ttt_steps,
-                                  w_reg=0.0 if fused else c.w_reg, w_cls=c.w_cls, decay=c.decay,
-                                  noise=0.0 if fused else c.noise)
+  step_target, dp = _data_parallel(model)
+  step_fn = dp(eagle_train.make_step(opt, step_target, cfg, vocab=vocab, steps=c.ttt_steps,
+                                     w_reg=0.0 if fused else c.w_reg, w_cls=c.w_cls,
+                                     decay=c.decay, noise=0.0 if fused else c.noise))
 
   def batch_fn(step):
     rng = np.random.default_rng([c.seed, step])
@@ -230,8 +259,8 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
                       key=jax.random.PRNGKey(c.seed))
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_windows": len(windows), "wall_s": time.perf_counter() - t_start}
-  if result.step < c.steps:
-    return out
+  if result.step < c.steps or not distributed.is_primary():
+    return out  # stopped early, or not the process that exports
   best, best_step = loop.best_params(c.workdir, head0)
   best = best if best is not None else result.params
   final_eval = eval_fn(best)
@@ -271,17 +300,19 @@ def _run_draft_model(c, model: Model, train_seqs, valid_seqs, progress, stop_aft
   scfg = draft_train.student_config(cfg, c.draft_layers)
   init_layers = draft_train.parse_init_layers(c.init_layers, cfg.num_layers, c.draft_layers)
   t0 = time.perf_counter()
-  pool = eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len,
-                                   batch_size=c.feature_batch, progress=progress,
-                                   cache_dir=_feature_cache(c))
-  vpool = eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len,
-                                    batch_size=c.feature_batch, cache_dir=_feature_cache(c))
+  pool, vpool = _pools("features", lambda: (
+      eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len,
+                                batch_size=c.feature_batch, progress=progress,
+                                cache_dir=_feature_cache(c)),
+      eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len,
+                                batch_size=c.feature_batch, cache_dir=_feature_cache(c))))
   progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
            f"{time.perf_counter() - t0:.0f}s")
   vocab = _reduced_vocab(c, cfg, train_seqs, progress)
   student0 = draft_train.init_student(model.params, cfg, init_layers)
   opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
-  step_fn = draft_train.make_step(opt, model.params, cfg, scfg, vocab=vocab, loss=c.loss)
+  step_target, dp = _data_parallel(model)
+  step_fn = dp(draft_train.make_step(opt, step_target, cfg, scfg, vocab=vocab, loss=c.loss))
   order = draft_train.length_order(pool)
 
   def batch_fn(step):
@@ -301,8 +332,8 @@ def _run_draft_model(c, model: Model, train_seqs, valid_seqs, progress, stop_aft
                       key=jax.random.PRNGKey(c.seed))
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_positions": vpool.num_positions, "wall_s": time.perf_counter() - t_start}
-  if result.step < c.steps:
-    return out
+  if result.step < c.steps or not distributed.is_primary():
+    return out  # stopped early, or not the process that exports
   best, best_step = loop.best_params(c.workdir, student0)
   best = best if best is not None else result.params
   final_eval = eval_fn(best)

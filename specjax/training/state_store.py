@@ -136,7 +136,12 @@ class StateStore:
         options=ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else max_to_keep, enable_async_checkpointing=False,
             read_only=read_only,
-            create=not read_only, temporary_path_class=_RenameWithFaultPoints,
+            create=False,  # made above (orbax refuses to with active_processes)
+            temporary_path_class=_RenameWithFaultPoints,
+            # In a multi-process job each process's store is its own: process
+            # 0 writes (host copies of replicated state), the others only read.
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                primary_host=jax.process_index(), active_processes={jax.process_index()}),
             **best, **writable),
         # named up front, so a fresh manager can read a step's tree metadata
         item_handlers=ocp.StandardCheckpointHandler())
