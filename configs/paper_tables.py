@@ -21,7 +21,7 @@ def get_config(arg=None):
   spec.loader.exec_module(module)
   c = module.get_config(arg)
   with c.unlocked():
-    c.tables = "all"  # leviathan, gamma, batch, expected (comma-separated) or all
+    c.tables = "all"  # leviathan, specbench, gamma, batch, expected (comma-separated) or all
     c.methods = "draft_model,eagle3,prompt_lookup"
     c.prompt_limit = 1
     c.max_new_tokens = 96

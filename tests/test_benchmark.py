@@ -216,6 +216,11 @@ def test_paper_tables_end_to_end(smollm2, tmp_path):
       assert os.path.getsize(os.path.join(c.out, name, f"{name}.{ext}")) > 0, (name, ext)
   lev = out["leviathan"]["rows"][0]
   assert 0 <= lev["alpha_greedy"] <= 1 and 0 <= lev["alpha_T=1"] <= 1
+  # the Spec-Bench form reads the leviathan greedy run: the same figures
+  sb = {(r["method"], r["category"]): r for r in out["specbench"]["rows"]}
+  assert set(sb) == {("prompt_lookup", cat) for cat in ("copy", "count", specbench.ALL)}
+  assert sb["prompt_lookup", specbench.ALL]["tau"] == lev["tau_greedy"]
+  assert "| prompt_lookup |" in out["specbench"]["markdown"]
   assert [r["k"] for r in out["gamma"]["rows"]] == [1, 2]
   assert all(r["speedup"] > 0 and r["theorem_3_8"] > 0 for r in out["gamma"]["rows"])
   assert [r["batch_size"] for r in out["batch"]["rows"]] == [1, 2]

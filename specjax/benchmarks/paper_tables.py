@@ -4,6 +4,8 @@ process) summarised into markdown + JSON + PNG under `out/<table>/`.
 
   leviathan  acceptance rate alpha (and tau) of every method under greedy and
              T = 1 (Leviathan et al. 2023, Table 3's form)
+  specbench  per-category speedup and tau of every method side by side
+             (Medusa / EAGLE / Spec-Bench form; leviathan's greedy run)
   gamma      the draft-length sweep: measured walltime improvement at each k
              next to Theorem 3.8's value from the measured alpha and cost c,
              and the calibrated prediction (measured verify costs); the
@@ -24,11 +26,12 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
+from specjax import distributed
 from specjax.analysis import theory
 from specjax.benchmarks import specbench
 from specjax.drafters import registry
 
-TABLES = ("leviathan", "gamma", "batch", "expected")
+TABLES = ("leviathan", "specbench", "gamma", "batch", "expected")
 
 
 def _sub(c, out: str, **fields):
@@ -53,6 +56,8 @@ def _write(out: str, name: str, rows: List[dict], md_lines: List[str],
            plot: Optional[Callable] = None) -> dict:
   """out/name.{json,md,png} -> {"rows", "markdown"}."""
   md = "\n".join(md_lines) + "\n"
+  if not distributed.is_primary():  # a multi-process run: process 0 writes
+    return {"rows": rows, "markdown": md}
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, f"{name}.json"), "w") as f:
     json.dump(rows, f, indent=1)
@@ -98,6 +103,51 @@ def leviathan(c, model=None, progress=None) -> dict:
     ax.set_ylabel("alpha"); ax.legend()
 
   return _write(out, "leviathan", rows, md, plot)
+
+
+def specbench_table(c, model=None, progress=None) -> dict:
+  """Medusa / EAGLE / Spec-Bench form: per-category speedup and tau of every
+  method side by side (the greedy run of the leviathan table: one run serves both)."""
+  out = os.path.join(c.out, "specbench")
+  sub = _sub(c, os.path.join(c.out, "leviathan", "greedy"), temperature=0.0)
+  results = specbench.run_benchmark(sub, model=model, progress=progress)["results"]
+  cats = []
+  for r in results:
+    if r["category"] != specbench.ALL and r["category"] not in cats:
+      cats.append(r["category"])
+  cats.append(specbench.ALL)
+  by = {(r["method"], r["category"]): r for r in results}
+  rows = [{"method": m, "category": cat, "speedup": by[m, cat]["speedup"],
+           "tau": by[m, cat]["tau"], "alpha": by[m, cat]["alpha"],
+           "tokens_per_s": by[m, cat]["tokens_per_s"],
+           "ar_tokens_per_s": by[m, cat]["ar_tokens_per_s"],
+           "greedy_identical": by[m, cat]["greedy_identical"]}
+          for m in _methods(c) for cat in cats if (m, cat) in by]
+  get = {(r["method"], r["category"]): r for r in rows}
+  md = [f"Speedup over AR (tau) per Spec-Bench category; temperature {sub.temperature}, "
+        f"B = {sub.batch_size}, {sub.max_new_tokens} new tokens, {sub.dtype}.", "",
+        "| method | " + " | ".join("overall" if x == specbench.ALL else x for x in cats) + " |",
+        "|---|" + "---|" * len(cats)]
+  for m in _methods(c):
+    md.append(f"| {m} | " + " | ".join(
+        f"{_f(get[m, x]['speedup'])}x ({_f(get[m, x]['tau'])})" if (m, x) in get else "-"
+        for x in cats) + " |")
+  md.append("| AR tok/s | " + " | ".join(
+      _f(next((r["ar_tokens_per_s"] for r in rows if r["category"] == x), None), "{:.1f}")
+      for x in cats) + " |")
+
+  def plot(ax):
+    x = np.arange(len(cats))
+    width = 0.8 / max(len(_methods(c)), 1)
+    for i, m in enumerate(_methods(c)):
+      ax.bar(x + (i - (len(_methods(c)) - 1) / 2) * width,
+             [get[m, cat]["speedup"] if (m, cat) in get else 0 for cat in cats], width, label=m)
+    ax.axhline(1, color="k", lw=0.5)
+    ax.set_xticks(x, ["overall" if cat == specbench.ALL else cat for cat in cats],
+                  rotation=20, ha="right")
+    ax.set_ylabel("speedup over AR"); ax.legend(fontsize=6, ncol=2)
+
+  return _write(out, "specbench", rows, md, plot)
 
 
 def gamma(c, model=None, progress=None) -> dict:
@@ -214,4 +264,8 @@ def run(c, model=None, progress=None) -> Dict[str, dict]:
       raise ValueError(f"unknown table {name!r}; tables: {', '.join(TABLES)}")
   for m in _methods(c):
     registry.parse_method(m)  # fail before any work on a malformed method
-  return {name: globals()[name](c, model=model, progress=progress) for name in names}
+  return {name: _TABLE_FNS[name](c, model=model, progress=progress) for name in names}
+
+
+_TABLE_FNS = {"leviathan": leviathan, "specbench": specbench_table, "gamma": gamma,
+              "batch": batch, "expected": expected}
