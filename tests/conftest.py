@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable, Dict, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, NamedTuple, Optional
 
 import gguf
 import jax
@@ -22,6 +22,7 @@ import pytest
 
 import specjax
 from specjax.io import gguf as gguf_io
+from specjax.io import gguf_writer
 from specjax.io.load import load_model
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -121,8 +122,7 @@ TINY_QTYPES = {
     "blk.1.ffn_down.weight": "BF16",
 }
 
-_TOKENIZER_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
-                   "tokenizer.chat_template")
+_TOKENIZER_KEYS = gguf_writer.TOKENIZER_KEYS
 
 
 def tiny_model_config(**overrides):
@@ -147,87 +147,15 @@ def tiny_params(cfg, seed: int = 0) -> dict:
   return params
 
 
-def permute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
-  """llama.cpp's Q/K row permutation (convert_hf_to_gguf.py), (out, in) HF orientation:
-  the inverse of specjax.io.gguf._unpermute_rotary."""
-  out, inp = w.shape
-  return w.reshape(n_head, 2, out // n_head // 2, inp).swapaxes(1, 2).reshape(out, inp)
-
-
-def gguf_tensors(cfg, params: dict) -> Dict[str, np.ndarray]:
-  """specjax params -> GGUF tensors (HF (out, in) orientation, Q/K rows permuted)."""
-  h, g, dh, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
-  out = {"token_embd.weight": params["embed"]}
-  for i, p in enumerate(params["layers"]):
-    wqkv = p["wqkv"]
-    out.update({
-        f"blk.{i}.attn_norm.weight": p["attn_norm"],
-        f"blk.{i}.attn_q.weight": permute_rotary(wqkv[:h * dh], h),
-        f"blk.{i}.attn_k.weight": permute_rotary(wqkv[h * dh:(h + g) * dh], g),
-        f"blk.{i}.attn_v.weight": wqkv[(h + g) * dh:],
-        f"blk.{i}.attn_output.weight": p["wo"],
-        f"blk.{i}.ffn_norm.weight": p["mlp_norm"],
-        f"blk.{i}.ffn_gate.weight": p["w_gate_up"][:f],
-        f"blk.{i}.ffn_up.weight": p["w_gate_up"][f:],
-        f"blk.{i}.ffn_down.weight": p["w_down"],
-    })
-  if not cfg.tie_embeddings:
-    out["output.weight"] = params["lm_head"]
-  out["output_norm.weight"] = params["final_norm"]  # last: 256 bytes, no trailing padding
-  return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
-
-
 def write_llama_gguf(path, cfg, params: dict, tokenizer_fields: Optional[dict], *,
-                     qtypes: Optional[Dict[str, str]] = None, arch: str = "llama",
-                     skip: Sequence[str] = (), nan_in: Optional[str] = None) -> str:
-  """Write a llama GGUF file the way llama.cpp's converter lays it out.
-
-  Args:
-    tokenizer_fields: contents of the `_TOKENIZER_KEYS` metadata (from a real file);
-      None writes no vocabulary (a file for specjax.io.gguf.load_gguf only, ~3x
-      faster to write and parse: the 98k tokenizer strings dominate both).
-    qtypes: GGUF tensor name -> gguf.GGMLQuantizationType name (default TINY_QTYPES).
-    arch: general.architecture (and the metadata key prefix).
-    skip: tensor names to leave out.
-    nan_in: a tensor name whose first value is set to NaN before quantization.
-  """
-  qtypes = {**TINY_QTYPES, **(qtypes or {})}
-  w = gguf.GGUFWriter(str(path), arch)
-  w.add_context_length(cfg.max_seq_len)
-  w.add_embedding_length(cfg.dim)
-  w.add_block_count(cfg.num_layers)
-  w.add_feed_forward_length(cfg.ffn_dim)
-  w.add_head_count(cfg.num_heads)
-  w.add_head_count_kv(cfg.num_kv_heads)
-  w.add_rope_dimension_count(cfg.head_dim)
-  w.add_rope_freq_base(cfg.rope_theta)
-  w.add_layer_norm_rms_eps(cfg.norm_eps)
-  w.add_vocab_size(cfg.vocab_size)
-  if tokenizer_fields is not None:
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokenizer_fields["tokenizer.ggml.tokens"])
-    w.add_token_types(tokenizer_fields["tokenizer.ggml.token_type"])
-    w.add_token_merges(tokenizer_fields["tokenizer.ggml.merges"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(tokenizer_fields["tokenizer.chat_template"])
-  w.add_bos_token_id(cfg.bos_id)
-  w.add_eos_token_id(cfg.eos_id)
-  w.add_pad_token_id(cfg.pad_id)
-  for name, x in gguf_tensors(cfg, params).items():
-    if name in skip:
-      continue
-    if name == nan_in:
-      x = x.copy()
-      x.flat[0] = np.nan
-    qtype = gguf.GGMLQuantizationType[qtypes[name]]
-    data = gguf.quants.quantize(x, qtype)
-    w.add_tensor(name, data, raw_dtype=qtype)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  return str(path)
+                     qtypes: Optional[Dict[str, str]] = None, **options) -> str:
+  """specjax.io.gguf_writer.write_llama_gguf with TINY_QTYPES (overridden by
+  `qtypes`) and the vocabulary of `tokenizer_fields` (a real file's
+  TOKENIZER_KEYS metadata; None: no vocabulary)."""
+  tok = None if tokenizer_fields is None else gguf_writer.TokenizerFields(
+      *(tokenizer_fields[k] for k in gguf_writer.TOKENIZER_KEYS))
+  return gguf_writer.write_llama_gguf(path, cfg, params, tokenizer=tok,
+                                      qtypes={**TINY_QTYPES, **(qtypes or {})}, **options)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 from specjax.errors import BadInputError, ConfigValueError, MalformedFileError
+from specjax.io import gguf_writer
 
 Draw = Callable[[int, int], int]  # draw(lo, hi): an integer in [lo, hi]
 
@@ -153,59 +154,18 @@ def tiny_vocab():
 def write_tiny_gguf(path: str, cfg, params, tokenizer: bool = True) -> str:
   """A llama GGUF of `params` (specjax layout) with a tiny tokenizer; mixed
   tensor types (F32 norms, Q8_0 / F16 / Q4_1 matrices)."""
-  import gguf  # pylint: disable=import-outside-toplevel
-
-  h, g, dh, f = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim
-  w = gguf.GGUFWriter(path, "llama")
-  w.add_context_length(cfg.max_seq_len)
-  w.add_embedding_length(cfg.dim)
-  w.add_block_count(cfg.num_layers)
-  w.add_feed_forward_length(cfg.ffn_dim)
-  w.add_head_count(cfg.num_heads)
-  w.add_head_count_kv(cfg.num_kv_heads)
-  w.add_rope_dimension_count(cfg.head_dim)
-  w.add_rope_freq_base(cfg.rope_theta)
-  w.add_layer_norm_rms_eps(cfg.norm_eps)
-  w.add_vocab_size(cfg.vocab_size)
+  qtypes = {"token_embd.weight": "Q8_0"}
+  for i in range(cfg.num_layers):
+    qtypes.update({f"blk.{i}.attn_k.weight": "F16", f"blk.{i}.attn_v.weight": "Q8_0",
+                   f"blk.{i}.ffn_gate.weight": "Q4_1", f"blk.{i}.ffn_up.weight": "F16"})
+  tok = None
   if tokenizer:
     tokens, merges, types = tiny_vocab()
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>"
-                        "{% endfor %}")
-  w.add_bos_token_id(cfg.bos_id)
-  w.add_eos_token_id(cfg.eos_id)
-  w.add_pad_token_id(cfg.pad_id)
-
-  def host(x):
-    return np.ascontiguousarray(np.asarray(x, np.float32))
-
-  tensors = [("token_embd.weight", params["embed"], "Q8_0")]
-  for i, p in enumerate(params["layers"]):
-    wqkv = host(p["wqkv"])
-    tensors += [
-        (f"blk.{i}.attn_norm.weight", p["attn_norm"], "F32"),
-        (f"blk.{i}.attn_q.weight", wqkv[:h * dh], "F32"),
-        (f"blk.{i}.attn_k.weight", wqkv[h * dh:(h + g) * dh], "F16"),
-        (f"blk.{i}.attn_v.weight", wqkv[(h + g) * dh:], "Q8_0"),
-        (f"blk.{i}.attn_output.weight", p["wo"], "F32"),
-        (f"blk.{i}.ffn_norm.weight", p["mlp_norm"], "F32"),
-        (f"blk.{i}.ffn_gate.weight", host(p["w_gate_up"])[:f], "Q4_1"),
-        (f"blk.{i}.ffn_up.weight", host(p["w_gate_up"])[f:], "F16"),
-        (f"blk.{i}.ffn_down.weight", p["w_down"], "F32"),
-    ]
-  tensors.append(("output_norm.weight", params["final_norm"], "F32"))
-  for name, x, qtype in tensors:
-    q = gguf.GGMLQuantizationType[qtype]
-    w.add_tensor(name, gguf.quants.quantize(host(x), q), raw_dtype=q)
-  w.write_header_to_file()
-  w.write_kv_data_to_file()
-  w.write_tensors_to_file()
-  w.close()
-  return path
+    tok = gguf_writer.TokenizerFields(
+        tokens=tokens, token_types=types, merges=merges,
+        chat_template="{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>"
+                      "{% endfor %}")
+  return gguf_writer.write_llama_gguf(path, cfg, params, tokenizer=tok, qtypes=qtypes)
 
 
 def gguf_fields(path: str) -> tuple:
