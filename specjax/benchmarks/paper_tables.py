@@ -123,14 +123,13 @@ def specbench_table(c, model=None, progress=None) -> dict:
            "ar_tokens_per_s": by[m, cat]["ar_tokens_per_s"],
            "greedy_identical": by[m, cat]["greedy_identical"]}
           for m in _methods(c) for cat in cats if (m, cat) in by]
-  get = {(r["method"], r["category"]): r for r in rows}
   md = [f"Speedup over AR (tau) per Spec-Bench category; temperature {sub.temperature}, "
         f"B = {sub.batch_size}, {sub.max_new_tokens} new tokens, {sub.dtype}.", "",
         "| method | " + " | ".join("overall" if x == specbench.ALL else x for x in cats) + " |",
         "|---|" + "---|" * len(cats)]
   for m in _methods(c):
     md.append(f"| {m} | " + " | ".join(
-        f"{_f(get[m, x]['speedup'])}x ({_f(get[m, x]['tau'])})" if (m, x) in get else "-"
+        f"{_f(by[m, x]['speedup'])}x ({_f(by[m, x]['tau'])})" if (m, x) in by else "-"
         for x in cats) + " |")
   md.append("| AR tok/s | " + " | ".join(
       _f(next((r["ar_tokens_per_s"] for r in rows if r["category"] == x), None), "{:.1f}")
@@ -141,7 +140,7 @@ def specbench_table(c, model=None, progress=None) -> dict:
     width = 0.8 / max(len(_methods(c)), 1)
     for i, m in enumerate(_methods(c)):
       ax.bar(x + (i - (len(_methods(c)) - 1) / 2) * width,
-             [get[m, cat]["speedup"] if (m, cat) in get else 0 for cat in cats], width, label=m)
+             [by[m, cat]["speedup"] if (m, cat) in by else 0 for cat in cats], width, label=m)
     ax.axhline(1, color="k", lw=0.5)
     ax.set_xticks(x, ["overall" if cat == specbench.ALL else cat for cat in cats],
                   rotation=20, ha="right")
