@@ -17,7 +17,10 @@ penalty):
   in the whole context, the earliest match's continuation (up to k tokens) is
   evaluated with the next token in one batch, and the guesses after the first
   mismatch are removed from the KV cache. (It makes llama-cpp-python compute
-  logits for every position, also in rounds without guesses.)
+  logits for every position, also in rounds without guesses.) Its output is
+  not always llama.cpp's own AR output: a verify batch of k + 1 rows runs
+  other matmul kernels than a one-row step (activations quantized per batch),
+  so the argmax flips where the top two logits are close.
 
 Timing as the other peers: prefill ends when the first new token is handed
 over by the generator; decode is the rest, tokens after the first over the
@@ -96,8 +99,13 @@ def load(path: str, *, n_ctx: int = 4096, threads: Optional[int] = None,
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # pylint: disable=import-outside-toplevel
     k, ngram = prompt_lookup
     draft = LlamaPromptLookupDecoding(max_ngram_size=int(ngram), num_pred_tokens=int(k))
+  # logits_all with a draft model: llama-cpp-python (0.3.x) keeps every position's
+  # logits when it has a draft model, but sizes its logits buffer from the
+  # `logits_all` argument (n_batch rows when False), so a prompt longer than
+  # n_batch (512) fails with "could not broadcast ... into shape (0,)".
   return llama_cpp.Llama(model_path=str(path), n_ctx=int(n_ctx), n_threads=threads,
-                         n_threads_batch=threads, seed=0, draft_model=draft, verbose=False)
+                         n_threads_batch=threads, seed=0, draft_model=draft,
+                         logits_all=draft is not None, verbose=False)
 
 
 def settings(llm, *, mode: str = "ar", k: Optional[int] = None,
