@@ -150,13 +150,24 @@ def test_logits_close_to_llamacpp(smollm2, record_property):
   record_property("argmax_agreement_vs_llamacpp", min(agreement))
   assert max(mean_diffs) < 0.5, mean_diffs
   assert min(agreement) >= 0.9, agreement
-  # Its driver: greedy AR and prompt lookup run, stop at EOS, and refuse a context overflow.
+  # Its driver: greedy AR and prompt lookup run, stop at EOS, refuse a context
+  # overflow; in a process of its own they give the same tokens.
   for mode in (None, (3, 2)):
     peer = llamacpp.load(smollm2.source, n_ctx=128, threads=2, prompt_lookup=mode)
     out = llamacpp.greedy_generate(peer, prompts[0], MAX_NEW_TOKENS, eos_ids=[tok.eos_id])
     assert 0 < len(out.tokens) <= MAX_NEW_TOKENS and tok.eos_id not in out.tokens[:-1]
     with pytest.raises(ValueError, match="context"):
       llamacpp.greedy_generate(peer, prompts[0], peer.n_ctx())
+    with llamacpp.LlamaCppProcess(smollm2.source, n_ctx=128, threads=2,
+                                  prompt_lookup=mode) as child:
+      assert child.n_ctx() == peer.n_ctx() and child.n_threads == peer.n_threads == 2
+      assert child.greedy_generate(prompts[0], MAX_NEW_TOKENS,
+                                   eos_ids=[tok.eos_id]).tokens == out.tokens
+      with pytest.raises(ValueError, match="context"):
+        child.greedy_generate(prompts[0], child.n_ctx())
+      assert llamacpp.settings(child)["process"] == "a child process of its own"
+  with pytest.raises(ValueError, match="llama.cpp peer process: ValueError: Failed to load"):
+    llamacpp.LlamaCppProcess(os.path.join(os.path.dirname(__file__), "conftest.py"))
 
 
 # --- tokenizer -------------------------------------------------------------------------

@@ -146,6 +146,7 @@ class _Peers:
     self.settings: Dict[str, dict] = {}
     self.skipped: Dict[str, str] = {}
     self.drafters: Dict[str, tuple] = {}
+    self.closers: List[Callable[[], None]] = []  # peers' child processes
     like = like_for_like_methods(c)
 
     self._add(System(SPECJAX, "AR"), lambda p, rid: self._specjax(None, p, rid))
@@ -222,15 +223,17 @@ class _Peers:
     if not str(self.model.source).endswith(".gguf"):
       self.skipped[LLAMACPP] = f"needs a GGUF file, the model is {self.model.source}"
       return
-    progress(f"loading the llama.cpp peer ({self.threads} threads)")
+    progress(f"loading the llama.cpp peer ({self.threads} threads, a process of its own)")
     kw = dict(n_ctx=int(c.llamacpp_ctx), threads=self.threads)
-    ar_llm = llamacpp.load(self.model.source, **kw)
+    ar_llm = llamacpp.LlamaCppProcess(self.model.source, **kw)
+    self.closers.append(ar_llm.close)
     system = System(LLAMACPP, "AR")
     self.settings[system.key] = llamacpp.settings(ar_llm)
     self._add(system, lambda p, rid: self._llamacpp(ar_llm, p))
     if llamacpp.has_prompt_lookup():
       k, n = int(c.lookup_k), int(c.max_ngram)
-      pl_llm = llamacpp.load(self.model.source, prompt_lookup=(k, n), **kw)
+      pl_llm = llamacpp.LlamaCppProcess(self.model.source, prompt_lookup=(k, n), **kw)
+      self.closers.append(pl_llm.close)
       system = System(LLAMACPP, "prompt lookup", k, n)
       self.settings[system.key] = llamacpp.settings(pl_llm, mode="prompt_lookup", k=k,
                                                     max_ngram=n)
@@ -266,8 +269,13 @@ class _Peers:
                                                  self.threads))
 
   def _llamacpp(self, llm, prompt) -> Run:
-    res = llamacpp.greedy_generate(llm, prompt, self.new, eos_ids=[self.model.cfg.eos_id])
+    res = llm.greedy_generate(prompt, self.new, eos_ids=[self.model.cfg.eos_id])
     return Run(res.tokens, res.prefill_s, res.decode_s, res.decode_tokens)
+
+  def close(self) -> None:
+    for close in self.closers:
+      close()
+    self.closers = []
 
   def warm_up(self, prompt, rid) -> None:
     """One untimed run of every peer mode (specjax's engine excludes its compiles)."""
@@ -457,6 +465,16 @@ def run_peers(c, model: Optional[Model] = None,
   if model.tokenizer is None:
     raise ValueError(f"model {c.model!r} has no tokenizer: set tokenizer_from")
   peers = _Peers(c, model, progress)
+  try:
+    return _run(c, peers, questions, old, log_path, settings_id, repeats, commit, t_start,
+                progress)
+  finally:
+    peers.close()
+
+
+def _run(c, peers, questions, old, log_path, settings_id, repeats, commit, t_start,
+         progress) -> dict:
+  model = peers.model
   keys = [s.key for s in peers.systems]
   done = {}
   for r in old:

@@ -22,6 +22,9 @@ penalty):
   other matmul kernels than a one-row step (activations quantized per batch),
   so the argmax flips where the top two logits are close.
 
+`LlamaCppProcess` runs a loaded model in a child process of its own (what the
+side-by-side benchmark uses: see its docstring for why).
+
 Timing as the other peers: prefill ends when the first new token is handed
 over by the generator; decode is the rest, tokens after the first over the
 time after the first. Each run starts from an empty context (`reset()`), so a
@@ -119,6 +122,8 @@ def settings(llm, *, mode: str = "ar", k: Optional[int] = None,
       "weights": "the GGUF's own quantized tensors",
       "sampler": "greedy (temp=0), repeat_penalty=1",
       "mode": mode,
+      "process": ("a child process of its own" if isinstance(llm, LlamaCppProcess)
+                  else "the caller's"),
       "timing": "generator hand-overs: prefill = start -> first token, decode = rest; "
                 "warm-up runs excluded; context reset before each run",
   }
@@ -154,3 +159,98 @@ def greedy_generate(llm, prompt_ids: Sequence[int], max_new_tokens: int,
   if t_first is None:
     raise RuntimeError("llama.cpp produced no token")
   return LlamaCppResult(tokens=tokens, prefill_s=t_first - t0, decode_s=t_end - t_first)
+
+
+# --- llama.cpp in a process of its own ------------------------------------------------
+
+
+class LlamaCppProcess:
+  """A `load`ed llama.cpp model served by a child process of its own.
+
+  llama.cpp's worker threads spin while they wait for work, and so do the
+  thread pools of the runtimes a side-by-side run loads beside it (XLA's,
+  PyTorch's): in one process with them, its greedy AR ran at 34-44 tokens/s on
+  the 2-core dev CPU against 63-79 alone (SmolLM2-135M, Spec-Bench prompts). Its
+  own process is how llama.cpp is deployed, and keeps its threads from sharing a
+  pool with theirs. The child imports llama-cpp-python only (spawned, not
+  forked: a fork of a process running JAX is unsafe) and times each generation
+  itself, as `greedy_generate` does in process.
+
+  Attributes mirror `llama_cpp.Llama`'s (`n_threads`, `n_threads_batch`,
+  `n_ctx()`), so `settings` takes either.
+  """
+
+  def __init__(self, path: str, *, n_ctx: int = 4096, threads: Optional[int] = None,
+               prompt_lookup: Optional[tuple] = None):
+    import multiprocessing  # pylint: disable=import-outside-toplevel
+    _import()  # a clear ImportError here rather than in the child
+    ctx = multiprocessing.get_context("spawn")
+    self._conn, child = ctx.Pipe()
+    self._proc = ctx.Process(target=_serve, name="llama.cpp peer", daemon=True,
+                             args=(child, str(path), dict(n_ctx=n_ctx, threads=threads,
+                                                          prompt_lookup=prompt_lookup)))
+    self._proc.start()
+    child.close()
+    info = self._call(None)
+    self.n_threads, self.n_threads_batch, self._n_ctx = info
+
+  def n_ctx(self) -> int:
+    return self._n_ctx
+
+  def _call(self, request):
+    if request is not None:
+      self._conn.send(request)
+    try:
+      status, payload = self._conn.recv()
+    except EOFError as e:
+      raise RuntimeError(f"the llama.cpp peer process died (exit code "
+                         f"{self._proc.exitcode})") from e
+    if status == "ok":
+      return payload
+    kind, message = payload
+    raise (ValueError if kind == "ValueError" else RuntimeError)(
+        f"llama.cpp peer process: {kind}: {message}")
+
+  def greedy_generate(self, prompt_ids: Sequence[int], max_new_tokens: int,
+                      eos_ids: Sequence[int] = ()) -> LlamaCppResult:
+    """`greedy_generate` run by the child process."""
+    return self._call(([int(t) for t in prompt_ids], int(max_new_tokens),
+                       [int(t) for t in eos_ids]))
+
+  def close(self) -> None:
+    if self._proc.is_alive():
+      try:
+        self._conn.send("close")
+      except (BrokenPipeError, OSError):
+        pass
+      self._proc.join(timeout=10)
+      if self._proc.is_alive():
+        self._proc.kill()
+    self._conn.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def _serve(conn, path: str, options: dict) -> None:
+  """The child of `LlamaCppProcess`: load, then answer requests until told to close."""
+  try:
+    llm = load(path, **options)
+    conn.send(("ok", (llm.n_threads, llm.n_threads_batch, llm.n_ctx())))
+  except Exception as e:  # pylint: disable=broad-except
+    conn.send(("error", (type(e).__name__, str(e))))
+    return
+  while True:
+    try:
+      request = conn.recv()
+    except EOFError:  # the parent is gone
+      return
+    if request == "close":
+      return
+    try:
+      conn.send(("ok", greedy_generate(llm, *request)))
+    except Exception as e:  # pylint: disable=broad-except
+      conn.send(("error", (type(e).__name__, str(e))))
