@@ -39,6 +39,12 @@ import os
 import time
 from typing import Optional, Sequence
 
+# OpenMP's wait policy as this process started: the HF peer sets
+# OMP_WAIT_POLICY=PASSIVE for PyTorch (specjax/peers/hf.py), and llama.cpp's
+# CPU backend, built with OpenMP, synchronizes its threads at every op of a
+# step; `LlamaCppProcess` gives its child this original setting.
+_OMP_WAIT_POLICY_AT_START = os.environ.get("OMP_WAIT_POLICY")
+
 EXTRA_HINT = ('pip install -e ".[llamacpp]"  (llama-cpp-python; it builds llama.cpp, '
               "~10 min)")
 
@@ -124,6 +130,8 @@ def settings(llm, *, mode: str = "ar", k: Optional[int] = None,
       "mode": mode,
       "process": ("a child process of its own" if isinstance(llm, LlamaCppProcess)
                   else "the caller's"),
+      "OMP_WAIT_POLICY": (_OMP_WAIT_POLICY_AT_START if isinstance(llm, LlamaCppProcess)
+                          else os.environ.get("OMP_WAIT_POLICY")),
       "timing": "generator hand-overs: prefill = start -> first token, decode = rest; "
                 "warm-up runs excluded; context reset before each run",
   }
@@ -167,14 +175,17 @@ def greedy_generate(llm, prompt_ids: Sequence[int], max_new_tokens: int,
 class LlamaCppProcess:
   """A `load`ed llama.cpp model served by a child process of its own.
 
-  llama.cpp's worker threads spin while they wait for work, and so do the
-  thread pools of the runtimes a side-by-side run loads beside it (XLA's,
-  PyTorch's): in one process with them, its greedy AR ran at 34-44 tokens/s on
-  the 2-core dev CPU against 63-79 alone (SmolLM2-135M, Spec-Bench prompts). Its
-  own process is how llama.cpp is deployed, and keeps its threads from sharing a
-  pool with theirs. The child imports llama-cpp-python only (spawned, not
-  forked: a fork of a process running JAX is unsafe) and times each generation
-  itself, as `greedy_generate` does in process.
+  A process of its own is how llama.cpp is deployed: its threads and memory
+  are not the benchmark process's, and it imports llama-cpp-python only
+  (spawned, not forked: a fork of a process running JAX is unsafe). It does
+  not shield llama.cpp from what else runs on the machine: on the 2-core dev
+  CPU its greedy AR ran at ~38 tokens/s in a side-by-side run that also used
+  PyTorch, in this process or in its own alike, and at 55.5 in the same run
+  without PyTorch (`experiments/results/peers/`). The child times each
+  generation itself, as `greedy_generate` does in process. It starts with
+  OpenMP's wait policy as this process started (the HF peer sets
+  OMP_WAIT_POLICY=PASSIVE here for PyTorch; llama.cpp's OpenMP threads meet at
+  every op of a step and would sleep between them).
 
   Attributes mirror `llama_cpp.Llama`'s (`n_threads`, `n_threads_batch`,
   `n_ctx()`), so `settings` takes either.
@@ -183,12 +194,14 @@ class LlamaCppProcess:
   def __init__(self, path: str, *, n_ctx: int = 4096, threads: Optional[int] = None,
                prompt_lookup: Optional[tuple] = None):
     import multiprocessing  # pylint: disable=import-outside-toplevel
-    _import()  # a clear ImportError here rather than in the child
+    if not available():  # a clear ImportError here rather than in the child
+      _import()
     ctx = multiprocessing.get_context("spawn")
     self._conn, child = ctx.Pipe()
     self._proc = ctx.Process(target=_serve, name="llama.cpp peer", daemon=True,
                              args=(child, str(path), dict(n_ctx=n_ctx, threads=threads,
-                                                          prompt_lookup=prompt_lookup)))
+                                                          prompt_lookup=prompt_lookup),
+                                   _OMP_WAIT_POLICY_AT_START))
     self._proc.start()
     child.close()
     info = self._call(None)
@@ -235,8 +248,13 @@ class LlamaCppProcess:
     self.close()
 
 
-def _serve(conn, path: str, options: dict) -> None:
+def _serve(conn, path: str, options: dict, omp_wait_policy: Optional[str]) -> None:
   """The child of `LlamaCppProcess`: load, then answer requests until told to close."""
+  # Before llama_cpp (and with it libgomp, which reads it once) is imported here.
+  if omp_wait_policy is None:
+    os.environ.pop("OMP_WAIT_POLICY", None)
+  else:
+    os.environ["OMP_WAIT_POLICY"] = omp_wait_policy
   try:
     llm = load(path, **options)
     conn.send(("ok", (llm.n_threads, llm.n_threads_batch, llm.n_ctx())))
