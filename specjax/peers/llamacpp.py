@@ -177,15 +177,14 @@ class LlamaCppProcess:
 
   A process of its own is how llama.cpp is deployed: its threads and memory
   are not the benchmark process's, and it imports llama-cpp-python only
-  (spawned, not forked: a fork of a process running JAX is unsafe). It does
-  not shield llama.cpp from what else runs on the machine: on the 2-core dev
-  CPU its greedy AR ran at ~38 tokens/s in a side-by-side run that also used
-  PyTorch, in this process or in its own alike, and at 55.5 in the same run
-  without PyTorch (`experiments/results/peers/`). The child times each
-  generation itself, as `greedy_generate` does in process. It starts with
-  OpenMP's wait policy as this process started (the HF peer sets
-  OMP_WAIT_POLICY=PASSIVE here for PyTorch; llama.cpp's OpenMP threads meet at
-  every op of a step and would sleep between them).
+  (spawned, not forked: a fork of a process running JAX is unsafe). The
+  child times each generation itself, as `greedy_generate` does in process.
+  It starts with OpenMP's wait policy as this process started: the HF peer
+  sets OMP_WAIT_POLICY=PASSIVE here for PyTorch, and llama.cpp's OpenMP
+  threads, which meet at every op of a step, then sleep between ops (~900
+  voluntary context switches per token instead of ~0; a side-by-side run with
+  the policy inherited measured its AR at 38 tokens/s against 55.5 in a run
+  without the HF peer, `experiments/results/peers/`).
 
   Attributes mirror `llama_cpp.Llama`'s (`n_threads`, `n_threads_batch`,
   `n_ctx()`), so `settings` takes either.
