@@ -466,33 +466,27 @@ def run_peers(c, model: Optional[Model] = None,
     raise ValueError(f"model {c.model!r} has no tokenizer: set tokenizer_from")
   peers = _Peers(c, model, progress)
   try:
-    return _run(c, peers, questions, old, log_path, settings_id, repeats, commit, t_start,
-                progress)
+    keys = [s.key for s in peers.systems]
+    done = {}
+    for r in old:
+      done.setdefault(r["question_id"], {})[r["key"]] = r
+    todo = [q for q in questions if set(keys) - set(done.get(q.question_id, {}))]
+    if todo:
+      progress("warm-up: one untimed run of each peer mode")
+      peers.warm_up(model.tokenizer.encode_chat(specbench.chat_messages(todo[0].turns[:1], [])),
+                    todo[0].question_id * specbench.TURN_IDS)
+    for n, q in enumerate(todo):
+      def note(line, n=n):
+        progress(f"[{n + 1}/{len(todo)} prompts] {q.category} {line} | elapsed "
+                 f"{time.perf_counter() - t_start:.0f} s")
+      recs = _run_question(peers, q, repeats, settings_id, note)
+      with open(log_path, "a") as f:
+        for rec in recs:
+          f.write(json.dumps(rec) + "\n")
+      done[q.question_id] = {rec["key"]: rec for rec in recs}
+
   finally:
-    peers.close()
-
-
-def _run(c, peers, questions, old, log_path, settings_id, repeats, commit, t_start,
-         progress) -> dict:
-  model = peers.model
-  keys = [s.key for s in peers.systems]
-  done = {}
-  for r in old:
-    done.setdefault(r["question_id"], {})[r["key"]] = r
-  todo = [q for q in questions if set(keys) - set(done.get(q.question_id, {}))]
-  if todo:
-    progress("warm-up: one untimed run of each peer mode")
-    peers.warm_up(model.tokenizer.encode_chat(specbench.chat_messages(todo[0].turns[:1], [])),
-                  todo[0].question_id * specbench.TURN_IDS)
-  for n, q in enumerate(todo):
-    def note(line, n=n):
-      progress(f"[{n + 1}/{len(todo)} prompts] {q.category} {line} | elapsed "
-               f"{time.perf_counter() - t_start:.0f} s")
-    recs = _run_question(peers, q, repeats, settings_id, note)
-    with open(log_path, "a") as f:
-      for rec in recs:
-        f.write(json.dumps(rec) + "\n")
-    done[q.question_id] = {rec["key"]: rec for rec in recs}
+    peers.close()  # the peers' child processes
 
   wanted = {q.question_id for q in questions}
   records = [r for qid, by_key in done.items() if qid in wanted
