@@ -129,6 +129,19 @@ def primary_first(name: str, fn: Callable[[], T]) -> T:
   return fn()
 
 
+def child_env(extra_paths=()) -> dict:
+  """This process's environment for a child JAX process that sets its own
+  device count: XLA_FLAGS without --xla_force_host_platform_device_count
+  (other flags kept), `extra_paths` put first on PYTHONPATH."""
+  env = dict(os.environ)
+  flags = [f for f in env.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env["XLA_FLAGS"] = " ".join(flags)
+  if extra_paths:
+    env["PYTHONPATH"] = os.pathsep.join([*extra_paths, env.get("PYTHONPATH", "")])
+  return env
+
+
 def launch(argv: Sequence[str], num_processes: int, local_devices: Optional[int] = None,
            log_dir: Optional[str] = None, poll_s: float = 0.2) -> int:
   """Run `argv` as `num_processes` processes of one JAX job on this machine
@@ -140,8 +153,7 @@ def launch(argv: Sequence[str], num_processes: int, local_devices: Optional[int]
   checkpoints. -> 0, or the first failing child's exit status."""
   if num_processes < 1:
     raise ValueError(f"num_processes must be >= 1, got {num_processes}")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the children force their own device counts
+  env = child_env()  # the children force their own device counts
   env[ENV_PROCESSES], env[ENV_PORT] = str(num_processes), str(free_port())
   if local_devices:
     env[ENV_LOCAL_DEVICES] = str(int(local_devices))

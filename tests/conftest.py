@@ -13,7 +13,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable, Dict, NamedTuple, Optional
+
+# XLA's backend compile is most of the suite's time (tiny programs included):
+# tests build hundreds of programs and run each for a moment, so they ask LLVM
+# for less optimisation (~40% less compile time). Set before JAX starts a
+# backend; subprocesses (notebook kernels, experiment command lines) inherit
+# it. The golden tokens reproduce with and without it. SPECJAX_TEST_XLA_OPT=1
+# runs the suite with XLA's default optimisation.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if os.environ.get("SPECJAX_TEST_XLA_OPT", "0") == "0" and "optimization_level" not in \
+    os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
+
+from typing import Callable, Dict, NamedTuple, Optional  # pylint: disable=wrong-import-position
 
 import gguf
 import jax
@@ -29,9 +41,11 @@ from specjax.models.config import ModelConfig
 
 jax.config.update("jax_enable_x64", False)
 # Compiles dominate the suite's time on a 2-core CPU: keep XLA executables in a
-# persistent cache, so a second run on the same machine skips them. A cold
-# cache only costs the compiles themselves; results never depend on it.
-specjax.use_compilation_cache()
+# persistent cache, so that a program another module (or the other worker)
+# already built is read back instead of compiled again (every program that
+# took over 0.1 s is kept), and a second run on the same machine skips them.
+# A cold cache only costs the compiles themselves; results never depend on it.
+specjax.use_compilation_cache(min_compile_time_s=0.1)
 
 SMOLLM2 = "smollm2-135m"
 
@@ -210,6 +224,102 @@ def load_config():
       setattr(c, k, str(v) if k in ("workdir", "export") else v)
     return c
   return load
+
+
+# --- scheduling ----------------------------------------------------------------------
+#
+# The README's command runs two workers (pytest -n 2 --dist loadfile: a module's
+# tests and fixtures stay on one worker). Modules start longest first, so that
+# neither worker finishes long before the other; the rest keep their order.
+LONGEST_FIRST = (
+    "test_smollm2_speculative.py", "test_exactness_montecarlo.py", "test_notebooks.py",
+    "test_golden.py", "test_sharding.py", "test_benchmark.py", "test_multiprocess.py",
+    "test_smollm2.py", "test_eagle.py", "test_draft_train.py", "test_peers.py",
+    "test_medusa.py", "test_tree.py", "test_lookahead.py", "test_speculative.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
+
+
+# --- the compile budget ----------------------------------------------------------------
+#
+# XLA compilations dominate the suite's time, and every new shape or static
+# setting adds some. Each module's count of executables built (compiled, or
+# read back from the persistent cache: the count does not depend on the
+# cache's state) is checked against its budget in compile_budget.json, so the
+# suite cannot silently grow back; seconds are printed, never asserted. Budgets
+# are the recorded counts plus ~10% (which module first loads a session fixture,
+# and near-tie checks that compile only where outputs diverge, move a few):
+#   SPECJAX_COMPILE_BUDGET=record python -m pytest   -> compile_budget.json.recorded
+
+BUDGET_FILE = os.path.join(os.path.dirname(__file__), "compile_budget.json")
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = {"count": 0, "seconds": 0.0}
+
+
+def _count_compile(event: str, duration: float, **_) -> None:
+  if event == _COMPILE_EVENT:
+    _compiles["count"] += 1
+    _compiles["seconds"] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def _budgets() -> dict:
+  import json  # pylint: disable=import-outside-toplevel
+  with open(BUDGET_FILE) as f:
+    return json.load(f)
+
+
+_module_compiles = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_budget(request):
+  """Fails a module that builds more XLA executables than its budget."""
+  before = dict(_compiles)
+  yield
+  name = os.path.basename(request.module.__file__)
+  count = _compiles["count"] - before["count"]
+  seconds = _compiles["seconds"] - before["seconds"]
+  _module_compiles[name] = (count, seconds)
+  budget = _budgets().get(name)
+  if os.environ.get("SPECJAX_COMPILE_BUDGET") == "record":
+    return
+  assert budget is not None, (
+      f"{name} has no compile budget in {BUDGET_FILE}: it built {count} executables; add it")
+  assert count <= budget, (
+      f"{name} built {count} XLA executables, over its budget of {budget} ({BUDGET_FILE}): "
+      "share shapes and static settings with the programs other tests compile, or raise the "
+      "budget in the same commit and say why")
+
+
+def pytest_sessionfinish(session):
+  """An xdist worker hands its modules' counts to the controller."""
+  if hasattr(session.config, "workeroutput"):
+    session.config.workeroutput["compiles"] = dict(_module_compiles)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # xdist controller: a worker finished
+  _module_compiles.update(getattr(node, "workeroutput", {}).get("compiles", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+  if not _module_compiles:
+    return
+  terminalreporter.write_sep("=", "XLA executables built per module (count, compile seconds)")
+  for name, (count, seconds) in sorted(_module_compiles.items(), key=lambda x: -x[1][1]):
+    terminalreporter.write_line(f"{name:40s} {count:5d} {seconds:8.1f} s")
+  if os.environ.get("SPECJAX_COMPILE_BUDGET") == "record":
+    import json  # pylint: disable=import-outside-toplevel
+    path = os.environ.get("SPECJAX_COMPILE_RECORD", BUDGET_FILE + ".recorded")
+    with open(path, "w") as f:
+      json.dump({n: c for n, (c, _) in sorted(_module_compiles.items())}, f, indent=1)
 
 
 # --- process resources ---------------------------------------------------------------

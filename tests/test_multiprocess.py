@@ -20,10 +20,8 @@ TIMEOUT_S = 900
 
 def _run_job(out_dir):
   port = distributed.free_port()
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # each worker forces its own device count
-  env["PYTHONPATH"] = os.pathsep.join(
-      [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")])
+  # each worker forces its own device count
+  env = distributed.child_env([os.path.dirname(os.path.dirname(WORKER))])
   procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(NUM_PROCESSES), str(port),
                              str(out_dir)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -86,9 +84,7 @@ REPO = os.path.dirname(os.path.dirname(WORKER))
 
 def _experiment(script, *flags, env=None, timeout=TIMEOUT_S):
   """python experiments/<script> <flags> -> (returncode, stdout + stderr)."""
-  full_env = dict(os.environ)
-  full_env.pop("XLA_FLAGS", None)
-  full_env["PYTHONPATH"] = os.pathsep.join([REPO, full_env.get("PYTHONPATH", "")])
+  full_env = distributed.child_env([REPO])
   full_env.update(env or {})
   p = subprocess.run([sys.executable, os.path.join(REPO, "experiments", script), *flags],
                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from specjax import distributed
 from specjax import sharding
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -29,10 +30,8 @@ SMOLLM2 = ModelConfig(vocab_size=49152, dim=576, num_layers=30, num_heads=9, num
 
 
 def _run_worker(suite, timeout):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the worker forces 8 devices itself
-  env["PYTHONPATH"] = os.pathsep.join(
-      [os.path.dirname(os.path.dirname(WORKER)), env.get("PYTHONPATH", "")])
+  # the worker forces 8 devices itself
+  env = distributed.child_env([os.path.dirname(os.path.dirname(WORKER))])
   proc = subprocess.run([sys.executable, WORKER, suite], env=env, capture_output=True,
                         text=True, timeout=timeout, check=False)
   assert proc.returncode == 0 and "DONE" in proc.stdout, (
