@@ -31,6 +31,8 @@ from specjax.drafters.lookahead import LookaheadTree
 from specjax.drafters.medusa import Blockwise, Medusa, MedusaTree
 from specjax.drafters.prompt_lookup import PromptLookup
 
+pytestmark = pytest.mark.slow  # ~30 programs of 10^5 requests: the full suite, not the fast tier
+
 V = 8
 M = 4  # joint of the first M tokens: the prefill's token, then speculative rounds
 N = 100_000

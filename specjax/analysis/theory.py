@@ -46,19 +46,6 @@ def optimal_k(alpha: float, c: float, k_max: int = 16) -> int:
   return int(ks[np.argmax([leviathan_speedup(alpha, int(k), c) for k in ks])])
 
 
-def analytic_alpha(p, q) -> float:
-  """alpha = E[sum_x min(p(x), q(x))] over positions (Leviathan et al. Def. 3.1)."""
-  p = np.asarray(p, np.float64)
-  q = np.asarray(q, np.float64)
-  return float(np.mean(np.sum(np.minimum(p, q), axis=-1)))
-
-
-def tokens_per_round_from_histogram(accept_hist: Sequence[int]) -> float:
-  """Mean (accepted + 1) over rounds, from counts of rounds by accepted length."""
-  h = np.asarray(accept_hist, np.float64)
-  return float(np.sum(h * (np.arange(len(h)) + 1)) / max(h.sum(), 1))
-
-
 def interpolate_cost(costs: Mapping[int, float]) -> Callable[[float], float]:
   """A verify-cost curve t(n) from measured points {n_tokens: seconds}, linear in n."""
   ns = np.array(sorted(costs), np.float64)
@@ -70,15 +57,6 @@ def predicted_speedup(tokens_per_round: float, t_ar: float, t_draft: float,
                       t_verify: float) -> float:
   """Calibrated prediction: E[tokens] per (draft + verify) time, against AR's per-token time."""
   return tokens_per_round * t_ar / (t_draft + t_verify)
-
-
-def optimal_k_calibrated(alpha: float, t_ar: float, t_draft_token: float,
-                         verify_cost: Callable[[float], float], k_max: int = 16) -> int:
-  """The k maximising the calibrated prediction under i.i.d. acceptance alpha."""
-  ks = np.arange(1, k_max + 1)
-  vals = [predicted_speedup(float(expected_tokens(alpha, int(k))), t_ar, k * t_draft_token,
-                            verify_cost(k + 1)) for k in ks]
-  return int(ks[int(np.argmax(vals))])
 
 
 def chain_tokens_from_histogram(accept_hist: Sequence[int], k: int) -> float:

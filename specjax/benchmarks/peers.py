@@ -84,10 +84,6 @@ class System:
   def key(self) -> str:
     return f"{self.impl}|{self.mode}"
 
-  @property
-  def is_ar(self) -> bool:
-    return self.mode == "AR"
-
 
 @dataclasses.dataclass
 class Run:

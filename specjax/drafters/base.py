@@ -250,11 +250,6 @@ class Drafter:
     if not isinstance(self.k, int) or self.k < 1:
       raise ValueError(f"draft length k must be an integer >= 1, got {self.k!r}")
 
-  # Whether the drafter writes into the target's cache (layer skipping). The
-  # loop asserts by construction that verify overwrites every slot it wrote.
-  shares_target_cache = False
-  # Whether proposals are deterministic given the history (one-hot q).
-  deterministic = False
   # Whether `propose` returns a tree (`specjax.decoding.tree.TreeProposal`,
   # verified by `tree.tree_round`); k is then the tree's depth and `block`
   # its node count + 1.

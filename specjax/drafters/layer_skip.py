@@ -45,7 +45,6 @@ def parse_layers(spec, num_layers: int) -> Tuple[int, ...]:
 class LayerSkip(Drafter):
   layers: Tuple[int, ...] = ()
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
-  shares_target_cache = True
   name = "layer_skip"
 
   def __post_init__(self):

@@ -226,8 +226,6 @@ class Lookahead(Drafter):
   pool_size: int = 128  # P
   select: str = "frequent"
   next_token: bool = True
-  shares_target_cache = True
-  deterministic = True
   name = "lookahead"
 
   def __post_init__(self):

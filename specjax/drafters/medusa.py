@@ -115,7 +115,6 @@ class Medusa(Drafter):
 class Blockwise(Medusa):
   """Blockwise parallel decoding: the heads' top-1 chain, one-hot q."""
 
-  deterministic = True
   name = "blockwise"
 
   def _guesses(self, logits, keys):

@@ -44,7 +44,6 @@ def find_continuation(history, length, ngram: int):
 class PromptLookup(Drafter):
   max_ngram: int = 3
   min_ngram: int = 1
-  deterministic = True
   name = "prompt_lookup"
 
   def __post_init__(self):

@@ -35,7 +35,6 @@ def replay_params(continuations, pad_id: int = 0) -> ReplayParams:
 
 @dataclasses.dataclass(frozen=True)
 class Replay(Drafter):
-  deterministic = True
   name = "replay"
 
   def check(self, target_cfg, params) -> None:
@@ -54,7 +53,6 @@ class Replay(Drafter):
 @dataclasses.dataclass(frozen=True)
 class AlwaysReject(Drafter):
   token: int = 0
-  deterministic = True
   name = "always_reject"
 
   def propose(self, params, target, state, ctx, target_cache, keys):
