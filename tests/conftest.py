@@ -250,8 +250,9 @@ def pytest_collection_modifyitems(items):
 # read back from the persistent cache: the count does not depend on the
 # cache's state) is checked against its budget in compile_budget.json, so the
 # suite cannot silently grow back; seconds are printed, never asserted. Budgets
-# are the recorded counts plus ~10% (which module first loads a session fixture,
-# and near-tie checks that compile only where outputs diverge, move a few):
+# are the recorded counts + 25% + 20 (which module first loads a session
+# fixture, and near-tie checks that compile only where outputs diverge, move a
+# few):
 #   SPECJAX_COMPILE_BUDGET=record python -m pytest   -> compile_budget.json.recorded
 
 BUDGET_FILE = os.path.join(os.path.dirname(__file__), "compile_budget.json")
