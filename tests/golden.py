@@ -13,8 +13,8 @@ says why in the commit:
   python tests/golden.py --tiny     # the tiny target only
   python tests/golden.py --smollm2  # SmolLM2 only
 
-Sizes are chosen so the tiny part shares its compiled programs: one prompt
-bucket, one cache size, one token budget.
+One token budget per model keeps the programs few: each tiny run compiles
+once per (drafter, batch size, greedy or sampled).
 """
 
 from __future__ import annotations
