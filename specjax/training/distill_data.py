@@ -32,6 +32,7 @@ import numpy as np
 from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
 from specjax.io import jsonl
+from specjax.training import decontaminate as decontaminate_lib
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.path.normpath(os.path.join(_REPO, os.pardir, "shared", "data"))
@@ -52,17 +53,28 @@ def _load_jsonl(path):
     return [json.loads(line) for line in f if line.strip()]
 
 
-# name -> (relative path, record -> user message)
+def _summarize_text(rec: dict) -> str:
+  return "Summarize the following article in one sentence.\n\n" + rec["document"].strip()
+
+
+# name -> (relative path, record -> user message). Training sources only: the
+# evaluation files (spec_bench/*, gsm8k/test.jsonl, whose questions are
+# Spec-Bench's math questions word for word) are never read as training data,
+# and every source is decontaminated against them (`decontaminate`).
 SOURCES: Dict[str, Tuple[str, Callable[[dict], str]]] = {
     "alpaca": ("alpaca/alpaca_5000.json", _instruction_text),
     "code_alpaca": ("code_instructions/code_alpaca_2k.json", _instruction_text),
     "gpteacher_code": ("code_instructions/gpteacher_codegen-instruct.json", _instruction_text),
     "gsm8k_train": ("gsm8k/train.jsonl", lambda r: r["question"].strip()),
+    "xsum": ("xsum/xsum_1000.jsonl", _summarize_text),
 }
 
 
-def load_instructions(sources: Sequence[str], data_dir: str = DATA_DIR) -> List[Tuple[str, str]]:
-  """[(id, user message)] for the named sources, in file order."""
+def load_instructions(sources: Sequence[str], data_dir: str = DATA_DIR, *,
+                      decontaminate: bool = True) -> List[Tuple[str, str]]:
+  """[(id, user message)] for the named sources, in file order; with
+  `decontaminate`, without the examples that share a 13-gram with an
+  evaluation prompt (`specjax.training.decontaminate`)."""
   out = []
   for name in sources:
     if name not in SOURCES:
@@ -73,7 +85,18 @@ def load_instructions(sources: Sequence[str], data_dir: str = DATA_DIR) -> List[
       raise FileNotFoundError(f"data source {name!r}: {path} does not exist")
     recs = _load_jsonl(path) if path.endswith(".jsonl") else _load_json_array(path)
     out += [(f"{name}/{i}", text_of(r)) for i, r in enumerate(recs)]
+  if decontaminate:
+    out, _ = decontaminate_lib.decontaminate(out, _eval_index(data_dir))
   return out
+
+
+_INDEXES: Dict[str, decontaminate_lib.EvalIndex] = {}
+
+
+def _eval_index(data_dir: str) -> decontaminate_lib.EvalIndex:
+  if data_dir not in _INDEXES:
+    _INDEXES[data_dir] = decontaminate_lib.eval_index(data_dir)
+  return _INDEXES[data_dir]
 
 
 def split_of(example_id: str, valid_fraction: float) -> str:
@@ -165,6 +188,7 @@ REFERENCE_FIELD: Dict[str, Callable[[dict], str]] = {
     "code_alpaca": lambda r: r["output"],
     "gpteacher_code": lambda r: r["response"],
     "gsm8k_train": lambda r: r["answer"],
+    "xsum": lambda r: r["summary"],
 }
 
 
@@ -187,7 +211,10 @@ def reference_records(tokenizer, *, sources: Sequence[str], num_examples: int, s
     path = os.path.join(data_dir, rel)
     recs = _load_jsonl(path) if path.endswith(".jsonl") else _load_json_array(path)
     examples += [(f"{name}/{i}", text_of(r), REFERENCE_FIELD[name](r)) for i, r in enumerate(recs)]
-  skip = set(skip_ids)
+  # the reference answer is training text too: prompt and answer are checked
+  _, dirty = decontaminate_lib.decontaminate([(e[0], e[1] + "\n" + e[2]) for e in examples],
+                                             _eval_index(data_dir))
+  skip = set(skip_ids) | set(dirty)
   by_id = {e[0]: e for e in examples}
   chosen = interleave(sources, [(e[0], e[1]) for e in examples if e[0] not in skip],
                       num_examples, seed)
