@@ -130,7 +130,9 @@ def decode_step(params, cfg: ModelConfig, sampling: sampling_lib.SamplingConfig,
   positions = state.cache.length[:, None]
   logits, _, cache = transformer.forward(params, cfg, state.last[:, None], positions,
                                          state.cache, active=active)
-  keys = batch_lib.purpose_keys(state.keys, batch_lib.DECODE_STEP, state.step)
+  # Each row's key for its n-th token: a row's tokens depend on its request
+  # alone, not on when it joined the batch (continuous batching refills rows).
+  keys = batch_lib.purpose_keys(state.keys, batch_lib.DECODE_STEP, state.num_tokens - 1)
   new = sample_rows(keys, logits[:, 0], sampling)
   nonfinite_at, done = note_nonfinite(state.nonfinite_at, state.done,
                                       nonfinite_rows(logits[:, 0], active), state.num_tokens)

@@ -76,10 +76,12 @@ def request_keys(key: jax.Array, request_ids: jax.Array) -> jax.Array:
 
 
 def purpose_keys(keys: jax.Array, purpose: int, step=None) -> jax.Array:
-  """Per-row keys for one purpose (and step): fold_in(fold_in(k, purpose), step)."""
+  """Per-row keys for one purpose (and step): fold_in(fold_in(k, purpose), step).
+  `step` is one number for every row or a (B,) array, one per row."""
   keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, purpose)
   if step is not None:
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    step = jnp.asarray(step)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, 0 if step.ndim else None))(keys, step)
   return keys
 
 
