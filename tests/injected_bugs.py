@@ -12,6 +12,7 @@ by a test that says what is wrong.)
   python tests/injected_bugs.py                     # every bug
   python tests/injected_bugs.py off_by_one_fill     # one bug
   python tests/injected_bugs.py --tests "-m 'not slow'"   # another selection
+  python tests/injected_bugs.py --control           # the selections, unmutated: must pass
 """
 
 from __future__ import annotations
@@ -98,15 +99,17 @@ def apply(root: str, bug: Bug) -> None:
     f.write(text.replace(bug.old, bug.new))
 
 
-def run(bug: Bug, tests: str) -> tuple[bool, str]:
-  """-> (caught, the failing tests or the tail of pytest's output)."""
+def run(bug: Bug | None, tests: str) -> tuple[bool, str]:
+  """-> (caught, the failing tests or the tail of pytest's output); bug None:
+  the unmutated copy (the control)."""
   with tempfile.TemporaryDirectory() as tmp:
     root = os.path.join(tmp, "repo")
     shutil.copytree(ROOT, root, ignore=shutil.ignore_patterns(
         ".git", ".venv", "__pycache__", "*.egg-info", ".pytest_cache"))
     # the copy sits where the shared data is expected, relative to the repository
     os.symlink(os.path.join(os.path.dirname(ROOT), "shared"), os.path.join(tmp, "shared"))
-    apply(root, bug)
+    if bug is not None:
+      apply(root, bug)
     env = dict(os.environ, PYTHONPATH=root)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=-ra",
            *shlex.split(tests)]
@@ -124,6 +127,18 @@ def main(argv) -> int:
     i = argv.index("--tests")
     tests = argv[i + 1]
     argv = argv[:i] + argv[i + 2:]
+  if "--control" in argv:  # the same copies and selections without a bug
+    selections = sorted({tests or b.tests for b in BUGS})
+    failed = 0
+    for sel in selections:
+      broke, where = run(None, sel)
+      failed += broke
+      print(f"control {sel}: {'FAILED: ' + where if broke else 'passed'}", flush=True)
+    return 1 if failed else 0
+  unknown = set(argv) - {b.name for b in BUGS}
+  if unknown:
+    print(f"unknown bug(s) {sorted(unknown)}; known: {[b.name for b in BUGS]}")
+    return 2
   chosen = [b for b in BUGS if not argv or b.name in argv]
   missed = 0
   for bug in chosen:

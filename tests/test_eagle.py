@@ -149,15 +149,18 @@ def _forced_rule(n_forced):
   """Accept exactly min(n_forced, proposed) guesses; the next token is the
   target's argmax there (a greedy correction, or the bonus after all-accept)."""
   def rule(keys, tokens, q, p, num_proposed, logits):
-    n = jnp.minimum(jnp.int32(n_forced), num_proposed)
+    n = jnp.minimum(jnp.asarray(n_forced, jnp.int32), num_proposed)
     nxt = jnp.argmax(jnp.take_along_axis(logits, n[:, None, None], axis=1)[:, 0], -1)
     return n, nxt.astype(jnp.int32)
   rule.exact = True
   return rule
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec"))
-def _round(params, cfg, drafter, dparams, spec, state):
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter"))
+def _forced_round(params, cfg, drafter, dparams, state, n_forced):
+  """One greedy round keeping min(n_forced, proposed) guesses. `n_forced` is
+  traced: one program serves every kind of round."""
+  spec = sp.SpecConfig(sampling=sampling_lib.GREEDY, rule=_forced_rule(n_forced))
   return sp.spec_round(params, cfg, drafter, dparams, spec, state)
 
 
@@ -169,28 +172,37 @@ class _OffByOne(eagle.Eagle):
     return super().commit(params, state, ctx, verify.replace(hidden=shifted))
 
 
-def _fresh_proposal(m, drafter, dparams, state, keys):
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "num_slots"))
+def _fresh_proposal_jit(params, cfg, drafter, dparams, toks, plen, num_slots, ctx, cache, keys):
+  b, width = toks.shape
+  tcache = cache_lib.init_cache(cfg, b, num_slots)
+  pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
+  from specjax.models import transformer  # pylint: disable=import-outside-toplevel
+  _, hidden, _ = transformer.forward(params, cfg, toks, pos, tcache,
+                                     hidden_layers=drafter.layers_for(cfg))
+  target = Target(params, cfg)
+  fresh = drafter.init(dparams, target, toks, plen, num_slots, hidden=hidden)
+  return drafter.propose(dparams, target, fresh, ctx, cache, keys)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter"))
+def _live_proposal_jit(params, cfg, drafter, dparams, dstate, ctx, cache, keys):
+  return drafter.propose(dparams, Target(params, cfg), dstate, ctx, cache, keys)[0]
+
+
+def _fresh_proposal(m, drafter, dparams, state, ctx, keys):
   """The drafter freshly prefilled on each row's committed prefix, and its proposal."""
   hist, length = np.asarray(state.history), np.asarray(state.length)
   b = hist.shape[0]
   plen = length - 1  # the newest committed token is the "first generated" one
-  width = int(plen.max())
+  # Right-padded to a width of 16 or 32, as a ragged prompt batch is: two
+  # programs for every round instead of one per prefix length.
+  width = cache_lib.round_up(int(plen.max()), 16)
   toks = np.zeros((b, width), np.int32)
   for i in range(b):
     toks[i, :plen[i]] = hist[i, :plen[i]]
-  num_slots = state.cache.num_slots
-  tcache = cache_lib.init_cache(m.cfg, b, num_slots)
-  pos = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, width))
-  from specjax.models import transformer  # pylint: disable=import-outside-toplevel
-  _, hidden, _ = transformer.forward(m.params, m.cfg, jnp.asarray(toks), pos, tcache,
-                                     hidden_layers=drafter.layers_for(m.cfg))
-  target = Target(m.params, m.cfg)
-  fresh = drafter.init(dparams, target, jnp.asarray(toks), jnp.asarray(plen), num_slots,
-                       hidden=hidden)
-  ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
-                active=~state.done)
-  prop, _, _ = drafter.propose(dparams, target, fresh, ctx, state.cache, keys)
-  return prop
+  return _fresh_proposal_jit(m.params, m.cfg, drafter, dparams, jnp.asarray(toks),
+                             jnp.asarray(plen), state.cache.num_slots, ctx, state.cache, keys)
 
 
 def _live_and_fresh(m, drafter, dparams, state, seed):
@@ -198,9 +210,9 @@ def _live_and_fresh(m, drafter, dparams, state, seed):
   keys = jax.random.split(jax.random.key(seed), 2)
   ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
                 active=~state.done)
-  live, _, _ = drafter.propose(dparams, Target(m.params, m.cfg), state.drafter, ctx,
-                               state.cache, keys)
-  return live, _fresh_proposal(m, drafter, dparams, state, keys)
+  live = _live_proposal_jit(m.params, m.cfg, drafter, dparams, state.drafter, ctx, state.cache,
+                            keys)
+  return live, _fresh_proposal(m, drafter, dparams, state, ctx, keys)
 
 
 @pytest.mark.parametrize("name", ["eagle", "eagle3"])
@@ -219,8 +231,7 @@ def test_state_equals_a_fresh_prefill_after_every_kind_of_round(trained, tiny_ta
     mismatches = []
     for i, (label, n) in enumerate(cases):
       before = np.asarray(state.length)
-      state = _round(m.params, m.cfg, drafter, dparams,
-                     sp.SpecConfig(sampling=sampling_lib.GREEDY, rule=_forced_rule(n)), state)
+      state = _forced_round(m.params, m.cfg, drafter, dparams, state, n)
       assert (np.asarray(state.length) - before).tolist() == [n + 1] * 2, label
       live, fresh = _live_and_fresh(m, drafter, dparams, state, 100 + i)
       same = (np.array_equal(np.asarray(live.tokens), np.asarray(fresh.tokens)) and

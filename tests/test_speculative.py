@@ -73,9 +73,15 @@ def test_acceptance_metrics(target, draft, reference):
   # 11 decode tokens per row at 5 per round: rounds of 5, 5, 1.
   assert replay.stats["rounds"] == 3 * 3
   assert replay.stats["accept_hist"][4] == 2 * 3
+  # Every round emits its accepted guesses and one more token: the correction
+  # after a rejection, the bonus after all-accept (nothing here is cut by EOS).
   reject = sp.generate(target, CFG, AlwaysReject(k=2, token=63), PROMPTS, max_new_tokens=NEW)
   assert reject.alpha == 0.0 and reject.tau == 1.0
   assert reject.stats["per_position_acceptance"] == [0.0, 0.0]
+  # ... a round that accepts all 4 guesses emits them and a bonus token: 4 + 4
+  # accepted, then 1 (the last token, cut at the limit). Without the bonus the
+  # rows would need 4 + 4 + 3.
+  assert replay.stats["emitted"] == 3 * 11 and replay.stats["accepted"] == 3 * (4 + 4 + 1)
 
 
 def test_dynamic_draft_length(target, draft, reference):
