@@ -14,17 +14,7 @@ import dataclasses
 import functools
 import os
 
-# Opt-in (SPECJAX_TEST_FAST_COMPILE=1): ask LLVM for less optimisation, ~40%
-# less compile time for the tiny-model modules, which build hundreds of
-# programs and run each for a moment. Not the default: measured on the 2-core
-# CPU, it made the execution-heavy tests (10^5-request Monte-Carlo runs,
-# SmolLM2 on 8 forced devices) several times slower, more than it saved.
-# Set before JAX starts a backend; subprocesses inherit it.
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-if os.environ.get("SPECJAX_TEST_FAST_COMPILE") == "1":
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + TEST_XLA_FLAGS).strip()
-
-from typing import Callable, Dict, NamedTuple, Optional  # pylint: disable=wrong-import-position
+from typing import Callable, Dict, NamedTuple, Optional
 
 import gguf
 import jax
@@ -56,6 +46,22 @@ SMOLLM2 = "smollm2-135m"
 def smollm2():
   """specjax.io.load.Model of SmolLM2-135M-Instruct (float32)."""
   return load_model(SMOLLM2)
+
+
+SHORT_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def smollm2_short(smollm2):
+  """SmolLM2's first 4 of 30 layers with its own embedding, final norm, LM head
+  and tokenizer (arrays shared, not copied). For tests of pipelines around
+  the model (benchmark protocol, tables, files, resume): the real vocabulary,
+  chat template and shapes at 1/5 of the compile time. What depends on the
+  trained model's numerics (agreement with transformers, greedy identity, the
+  PIT tests) runs on the whole model."""
+  from specjax.drafters import draft_model  # pylint: disable=import-outside-toplevel
+  params, cfg = draft_model.truncated_model(smollm2.params, smollm2.cfg, SHORT_LAYERS)
+  return dataclasses.replace(smollm2, params=params, cfg=cfg)
 
 
 class HFModel(NamedTuple):
@@ -231,8 +237,9 @@ def load_config():
 # tests and fixtures stay on one worker). Modules start longest first, so that
 # neither worker finishes long before the other; the rest keep their order.
 LONGEST_FIRST = (
-    "test_smollm2_speculative.py", "test_exactness_montecarlo.py", "test_notebooks.py",
-    "test_golden.py", "test_sharding.py", "test_benchmark.py", "test_multiprocess.py",
+    "test_exactness_montecarlo.py", "test_golden.py", "test_smollm2_speculative.py",
+    "test_sharding.py", "test_golden_tiny.py", "test_multiprocess.py", "test_notebooks.py",
+    "test_benchmark.py",
     "test_smollm2.py", "test_eagle.py", "test_draft_train.py", "test_peers.py",
     "test_medusa.py", "test_tree.py", "test_lookahead.py", "test_speculative.py",
 )
@@ -323,6 +330,35 @@ def pytest_terminal_summary(terminalreporter):
     path = os.environ.get("SPECJAX_COMPILE_RECORD", BUDGET_FILE + ".recorded")
     with open(path, "w") as f:
       json.dump({n: c for n, (c, _) in sorted(_module_compiles.items())}, f, indent=1)
+
+
+# --- compile effort per module ------------------------------------------------------
+#
+# Most modules build many programs (a drafter, a shape, a sampling setting
+# each) and run each for a moment on a tiny model: there LLVM's optimisation
+# costs more than it saves, and JAX's `jax_disable_most_optimizations` (LLVM
+# -O0, no expensive passes) roughly halves the compile time. Outputs do not
+# change (the golden tokens are reproduced either way). Modules whose time is
+# execution (10^5-request Monte-Carlo runs, the real 30-layer model) keep
+# XLA's full optimisation. The setting is read at each compile; the
+# persistent cache keys programs by it, so the two kinds never mix.
+OPTIMIZED_MODULES = {
+    "test_exactness_montecarlo.py",  # 10^5-request batches
+    # the whole SmolLM2 (measured on eagle3, B = 5, 32 tokens: -O0 saved 15% of
+    # the compile and made the run 60% slower)
+    "test_golden.py", "test_smollm2_speculative.py", "test_smollm2.py",
+    "test_generate_experiment.py", "test_distill_data.py", "test_ar_benchmark.py",
+}
+# Worker processes of tiny-model tests (8 forced devices, two-process jobs) are
+# compile-bound too: they get the setting through JAX_DISABLE_MOST_OPTIMIZATIONS=1.
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compile_effort(request):
+  name = os.path.basename(request.module.__file__)
+  jax.config.update("jax_disable_most_optimizations", name not in OPTIMIZED_MODULES)
+  yield
+  jax.config.update("jax_disable_most_optimizations", False)
 
 
 # --- process resources ---------------------------------------------------------------

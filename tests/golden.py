@@ -178,6 +178,15 @@ def _progress(name: str) -> None:
     print(name, flush=True)
 
 
+def mismatches(got: Dict[str, List[List[int]]], expected: Dict[str, List[List[int]]],
+               prefix: str) -> List[str]:
+  """The runs under `prefix` whose tokens differ from the expected ones (the
+  two must hold the same runs)."""
+  want = {k: v for k, v in expected.items() if k.startswith(prefix)}
+  assert set(got) == set(want), sorted(set(got) ^ set(want))
+  return sorted(k for k in want if got[k] != want[k])
+
+
 def load() -> Dict[str, List[List[int]]]:
   with open(PATH) as f:
     return json.load(f)

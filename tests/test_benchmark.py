@@ -1,5 +1,7 @@
-"""The Spec-Bench protocol end to end on the real model, with a tiny fixture file
-(two categories, one two-turn question), plus the drafter registry's errors.
+"""The Spec-Bench protocol end to end on SmolLM2's first 4 layers (its
+tokenizer, chat template, vocabulary and head; `smollm2_short`), with a tiny
+fixture file (two categories, one two-turn question), plus the drafter
+registry's errors.
 
 One benchmark run (AR, prompt lookup, replay; 8 new tokens; every prompt in
 one shape bucket so each method compiles once) is shared by the tests; a
@@ -52,12 +54,12 @@ def _config(tmp_path, **overrides):
 
 
 @pytest.fixture(scope="module")
-def bench(smollm2, tmp_path_factory):
+def bench(smollm2_short, tmp_path_factory):
   c = _config(tmp_path_factory.mktemp("bench"))
-  first = specbench.run_benchmark(c, model=smollm2, progress=lambda line: None)
+  first = specbench.run_benchmark(c, model=smollm2_short, progress=lambda line: None)
   with open(os.path.join(c.out, specbench.LOG)) as f:
     log_after_first = f.read()
-  second = specbench.run_benchmark(c, model=smollm2, progress=lambda line: None)
+  second = specbench.run_benchmark(c, model=smollm2_short, progress=lambda line: None)
   return c, first, second, log_after_first
 
 
@@ -107,17 +109,17 @@ def test_greedy_outputs_identical_and_replay_accepts_everything(bench):
   assert replay["tau"] > 1.0
 
 
-def test_two_turn_prompt_contains_first_answer(bench, smollm2):
+def test_two_turn_prompt_contains_first_answer(bench, smollm2_short):
   c, _, _, log = bench
   recs = [json.loads(line) for line in log.splitlines()]
   ar = next(r for r in recs if (r["unit"], r["method"]) == ("2", "ar"))
   assert ar["turns"] == 2 and len(ar["answers"]) == 2 and len(ar["tokens"]) == 2
   first_answer = ar["answers"][0][0]
   assert first_answer.strip()
-  prompt = smollm2.tokenizer.encode_chat(
+  prompt = smollm2_short.tokenizer.encode_chat(
       specbench.chat_messages(QUESTIONS[0]["turns"], [first_answer]))
   assert len(prompt) == ar["prompt_tokens"][1][0] > ar["prompt_tokens"][0][0]
-  text = smollm2.tokenizer.decode(prompt)
+  text = smollm2_short.tokenizer.decode(prompt)
   assert text.index("Name a color.") < text.index(first_answer) < text.index("Name another one.")
   # Every method saw the same turn-2 prompt and produced tokens for both turns.
   for m in METHODS:
@@ -136,7 +138,7 @@ def test_resume_generates_nothing(bench):
   assert second["results"] == first["results"]
 
 
-def test_method_settings_after_at(smollm2):
+def test_method_settings_after_at(smollm2_short):
   assert registry.parse_method("eagle3_tree@tree_nodes=8@k=3") == (
       "eagle3_tree", {"tree_nodes": 8, "k": 3})
   assert registry.parse_method("medusa_tree@tree_mode=iid") == ("medusa_tree",
@@ -145,72 +147,74 @@ def test_method_settings_after_at(smollm2):
     registry.parse_method("medusa_tree@nodes=8")
   with pytest.raises(ValueError, match="field=value"):
     registry.parse_method("medusa@8")
-  d, _ = registry.make_drafter("prompt_lookup@k=2@max_ngram=2", {"k": 5, "max_ngram": 4}, smollm2)
+  d, _ = registry.make_drafter("prompt_lookup@k=2@max_ngram=2", {"k": 5, "max_ngram": 4},
+                               smollm2_short)
   assert (d.k, d.max_ngram) == (2, 2)
-  d, _ = registry.make_drafter("prompt_lookup", {"k": 5, "max_ngram": 4}, smollm2)
+  d, _ = registry.make_drafter("prompt_lookup", {"k": 5, "max_ngram": 4}, smollm2_short)
   assert (d.k, d.max_ngram) == (5, 4)  # the config itself is untouched
 
 
-def test_benchmark_refuses_repeated_or_unknown_methods(smollm2, tmp_path):
+def test_benchmark_refuses_repeated_or_unknown_methods(smollm2_short, tmp_path):
   for methods, match in (("prompt_lookup,prompt_lookup", "repeat"),
                          ("prompt_lookup@k=0", "k must be an integer >= 1"),
                          ("ngram@k=2", "unknown method")):
     c = _config(tmp_path, methods=methods)
     with pytest.raises(ValueError, match=match):
-      specbench.run_benchmark(c, model=smollm2, progress=lambda line: None)
+      specbench.run_benchmark(c, model=smollm2_short, progress=lambda line: None)
 
 
-def test_resume_refuses_other_settings(bench, smollm2, tmp_path):
+def test_resume_refuses_other_settings(bench, smollm2_short, tmp_path):
   c, _, _, _ = bench
   c2 = _config(tmp_path, out=c.out, max_new_tokens=9)
   with pytest.raises(ValueError, match="other settings"):
-    specbench.run_benchmark(c2, model=smollm2, progress=lambda line: None)
+    specbench.run_benchmark(c2, model=smollm2_short, progress=lambda line: None)
 
 
-def test_registry_errors(smollm2, tmp_path):
+def test_registry_errors(smollm2_short, tmp_path):
   with pytest.raises(ValueError, match="unknown drafting method 'nope'.*prompt_lookup"):
-    registry.make_drafter("nope", {"k": 4}, smollm2)
+    registry.make_drafter("nope", {"k": 4}, smollm2_short)
   with pytest.raises(ValueError, match="k must be an integer >= 1"):
-    registry.make_drafter("prompt_lookup", {"k": 0}, smollm2)
+    registry.make_drafter("prompt_lookup", {"k": 0}, smollm2_short)
   with pytest.raises(ValueError, match="needs reference"):
-    registry.make_drafter("replay", {"k": 4}, smollm2)
+    registry.make_drafter("replay", {"k": 4}, smollm2_short)
   with pytest.raises(ValueError, match="self:N"):
-    registry.make_drafter("draft_model", {"draft_model": "self:99"}, smollm2)
+    registry.make_drafter("draft_model", {"draft_model": "self:99"}, smollm2_short)
   with pytest.raises(ValueError, match="unknown method 'nope'"):
-    specbench.run_benchmark(_config(tmp_path, methods="prompt_lookup,nope"), model=smollm2)
+    specbench.run_benchmark(_config(tmp_path, methods="prompt_lookup,nope"),
+                            model=smollm2_short)
   with pytest.raises(ValueError, match="k must be an integer >= 1"):
-    specbench.run_benchmark(_config(tmp_path, k=0), model=smollm2)
+    specbench.run_benchmark(_config(tmp_path, k=0), model=smollm2_short)
 
 
-def test_registry_builds_every_method(smollm2):
-  cfg = smollm2.cfg
-  d, p = registry.make_drafter("layer_skip", {"k": 3}, smollm2)
+def test_registry_builds_every_method(smollm2_short):
+  cfg = smollm2_short.cfg
+  d, p = registry.make_drafter("layer_skip", {"k": 3}, smollm2_short)
   assert d.layers == tuple(range(cfg.num_layers // 3)) and p is None
-  d, p = registry.make_drafter("draft_model", {"k": 2, "draft_model": "self:5"}, smollm2)
-  assert d.cfg.num_layers == 5 and len(p["layers"]) == 5
-  assert p["layers"][0] is smollm2.params["layers"][0]  # shared, not copied
-  d, p = registry.make_drafter("replay", {"k": 2}, smollm2, reference=[[5, 6, 7]],
+  d, p = registry.make_drafter("draft_model", {"k": 2, "draft_model": "self:2"}, smollm2_short)
+  assert d.cfg.num_layers == 2 and len(p["layers"]) == 2
+  assert p["layers"][0] is smollm2_short.params["layers"][0]  # shared, not copied
+  d, p = registry.make_drafter("replay", {"k": 2}, smollm2_short, reference=[[5, 6, 7]],
                                reference_width=8)
   assert p.tokens.shape == (1, 8) and int(p.length[0]) == 3
-  d, _ = registry.make_drafter("prompt_lookup", {"k": 5, "max_ngram": 2}, smollm2)
+  d, _ = registry.make_drafter("prompt_lookup", {"k": 5, "max_ngram": 2}, smollm2_short)
   assert (d.k, d.max_ngram, d.min_ngram) == (5, 2, 1)
-  d, _ = registry.make_drafter("always_reject", {"k": 1}, smollm2)
+  d, _ = registry.make_drafter("always_reject", {"k": 1}, smollm2_short)
   assert d.k == 1
-  sampled, _ = registry.make_drafter("layer_skip", {"temperature": 0.7, "top_p": 0.9}, smollm2)
+  sampled, _ = registry.make_drafter("layer_skip", {"temperature": 0.7, "top_p": 0.9}, smollm2_short)
   assert sampled.sampling.temperature == 0.7 and sampled.sampling.top_p == 0.9
   if "lookahead" in registry.available_methods():
-    d, _ = registry.make_drafter("lookahead", {"k": 3}, smollm2)
+    d, _ = registry.make_drafter("lookahead", {"k": 3}, smollm2_short)
     assert d.name == "lookahead" and d.k == 3
 
 
-def test_paper_tables_end_to_end(smollm2, tmp_path):
+def test_paper_tables_end_to_end(smollm2_short, tmp_path):
   """Every table on the fixture prompts (prompt lookup; 8 tokens): files written,
   rows consistent with the runs behind them."""
   from specjax.benchmarks import paper_tables  # pylint: disable=import-outside-toplevel
   c = _config(tmp_path, methods="prompt_lookup")
   with c.unlocked():
     c.tables, c.ks, c.batch_sizes = "all", "1,2", "1,2"
-  out = paper_tables.run(c, model=smollm2, progress=lambda line: None)
+  out = paper_tables.run(c, model=smollm2_short, progress=lambda line: None)
   for name in paper_tables.TABLES:
     for ext in ("md", "json", "png"):
       assert os.path.getsize(os.path.join(c.out, name, f"{name}.{ext}")) > 0, (name, ext)
@@ -230,4 +234,4 @@ def test_paper_tables_end_to_end(smollm2, tmp_path):
   assert exp[-1]["measured_tokens"] >= exp[0]["measured_tokens"] >= 1.0
   with pytest.raises(ValueError, match="unknown table"):
     c.tables = "nope"
-    paper_tables.run(c, model=smollm2)
+    paper_tables.run(c, model=smollm2_short)

@@ -45,7 +45,9 @@ def _env(fault=None):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              # every compile of the tiny run is short: cache them all, so a
              # restart costs its start-up, not its compiles
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             # tiny programs: compile-bound (see conftest's compile effort)
+             JAX_DISABLE_MOST_OPTIMIZATIONS="1")
   env.setdefault("SPECJAX_JAX_CACHE",
                  os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla"))
   env.pop(state_store.FAULT_ENV, None)

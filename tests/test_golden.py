@@ -1,4 +1,5 @@
-"""The golden tokens reproduce: behaviour pinned across refactors (see golden.py).
+"""The golden tokens reproduce on SmolLM2 (the tiny target's: test_golden_tiny.py):
+behaviour pinned across refactors (see golden.py).
 
 A mismatch means the tokens some run produces changed. If that was the purpose
 of the change (new numerics, new checkpoints), regenerate the file with
@@ -23,22 +24,6 @@ def expected():
   return golden.load()
 
 
-def _mismatches(got, expected, prefix):
-  want = {k: v for k, v in expected.items() if k.startswith(prefix)}
-  assert set(got) == set(want), sorted(set(got) ^ set(want))
-  return sorted(k for k in want if got[k] != want[k])
-
-
-@pytest.mark.slow  # 64 programs: ~5 min of compiles on 2 cores
-def test_tiny_target_reproduces_the_golden_tokens(expected):
-  got = golden.tiny_runs()
-  assert not _mismatches(got, expected, "tiny/"), _mismatches(got, expected, "tiny/")
-  for name, tokens in got.items():  # greedy identity, every drafter, B = 1 and 4
-    kind, batch = name.split("/")[1:3]
-    if kind == "greedy":
-      assert tokens == got[f"tiny/greedy/{batch}/ar"], name
-
-
 @pytest.mark.slow
 def test_smollm2_reproduces_the_golden_tokens_and_greedy_identity(smollm2, expected):
   got = golden.smollm2_runs(smollm2)
@@ -56,4 +41,5 @@ def test_smollm2_reproduces_the_golden_tokens_and_greedy_identity(smollm2, expec
       assert cmp.status != "diverged", (method, cmp, delta)
       near_ties += cmp.status == "near_tie"
   assert near_ties <= 2, near_ties  # reported; more would suggest a real bug
-  assert not _mismatches(got, expected, "smollm2/"), _mismatches(got, expected, "smollm2/")
+  bad = golden.mismatches(got, expected, "smollm2/")
+  assert not bad, bad

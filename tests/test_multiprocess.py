@@ -22,6 +22,7 @@ def _run_job(out_dir):
   port = distributed.free_port()
   # each worker forces its own device count
   env = distributed.child_env([os.path.dirname(os.path.dirname(WORKER))])
+  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # tiny programs: compile-bound (see conftest)
   procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(NUM_PROCESSES), str(port),
                              str(out_dir)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -85,6 +86,7 @@ REPO = os.path.dirname(os.path.dirname(WORKER))
 def _experiment(script, *flags, env=None, timeout=TIMEOUT_S):
   """python experiments/<script> <flags> -> (returncode, stdout + stderr)."""
   full_env = distributed.child_env([REPO])
+  full_env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # tiny programs: compile-bound
   full_env.update(env or {})
   p = subprocess.run([sys.executable, os.path.join(REPO, "experiments", script), *flags],
                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
