@@ -234,6 +234,48 @@ def test_greedy_medusa_tree_equals_ar_and_accepts_more_than_the_chain():
   assert tree.stats["accepted"] >= chain.stats["accepted"], (tree.stats, chain.stats)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec"))
+def _tree_round(params, cfg, drafter, dparams, spec, state):
+  return tree_lib.tree_round(params, cfg, drafter, dparams, spec, state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_slots"))
+def _prefill_cache(params, cfg, tokens, num_slots):
+  b, t = tokens.shape
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  return transformer.forward(params, cfg, tokens, pos, cache_lib.init_cache(cfg, b, num_slots),
+                             compute_logits=False)[2]
+
+
+def test_tree_rounds_leave_the_cache_of_the_committed_prefix():
+  """In the loop: after each greedy tree round the target's cache holds the
+  committed prefix exactly (a fresh prefill of it), with siblings listed
+  best-last so that accepted nodes sit in other slots than their depths (the
+  path must be moved into place: a stale slot would show)."""
+  choices = tuple(sorted(CHOICES, key=lambda c: (len(c), tuple(-i for i in c))))
+  assert choices != CHOICES
+  drafter = MedusaTree(k=3, choices=choices)
+  spec = sp.SpecConfig(sampling=sampling_lib.GREEDY)
+  state = sp.start(PARAMS, CFG, drafter, [[5, 9, 3, 17, 4], [8, 8, 30]], draft_params=HEADS,
+                   key=0, max_new_tokens=30, spec=spec)
+  num_slots = state.cache.num_slots
+  accepted = 0
+  for i in range(4):
+    before = np.asarray(state.length)
+    state = _tree_round(PARAMS, CFG, drafter, HEADS, spec, state)
+    length = np.asarray(state.length)
+    accepted += int((length - before - 1).sum())
+    cached = np.asarray(state.cache.length)
+    np.testing.assert_array_equal(cached, length - 1)  # the newest token is fed next round
+    fresh = _prefill_cache(PARAMS, CFG, state.history[:, :num_slots], num_slots)
+    for a, b in zip(state.cache.k + state.cache.v, fresh.k + fresh.v):
+      for row in range(2):
+        np.testing.assert_allclose(np.asarray(a[row, :cached[row]]),
+                                   np.asarray(b[row, :cached[row]]), rtol=1e-5, atol=1e-5,
+                                   err_msg=f"round {i}, row {row}")
+  assert accepted > 0  # paths were committed
+
+
 def _eagle_head(fused, seed=9):
   from specjax.drafters.eagle import init_head, prepare  # pylint: disable=import-outside-toplevel
   head = init_head(jax.random.PRNGKey(seed), CFG, fused=fused,

@@ -3,8 +3,8 @@
 Drafters are trained to predict what the *target* says, not what a dataset's
 reference answer says (Medusa and EAGLE both found self-distilled data to
 matter). This module turns instruction files from the project's data folder
-into chat prompts, generates the target's answers on device in batches
-(greedy, and a sampled fraction), and appends them to a JSONL file:
+into chat prompts, generates the target's answers on device with continuous
+batching (greedy, and a sampled fraction), and appends them to a JSONL file:
 
   {"id": "alpaca/17", "split": "train" | "valid", "prompt": [ids...],
    "answer": [ids...], "sampling": {"temperature": .., "top_k": .., "top_p": ..},
@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.decoding import autoregressive as ar
+from specjax.decoding import continuous
 from specjax.io import jsonl
 from specjax.training import decontaminate as decontaminate_lib
 
@@ -134,12 +134,16 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
                      batch_size: int = 8, sample_fraction: float = 0.25,
                      temperature: float = 0.7, top_p: float = 0.9, valid_fraction: float = 0.05,
                      data_dir: str = DATA_DIR, model_name: str = "smollm2-135m",
+                     chunk_steps: int = 16,
                      progress: Optional[Callable[[str], None]] = None) -> List[dict]:
   """Generate (or finish generating) the dataset at `path`; returns its records.
 
   Examples whose chat prompt exceeds `max_prompt_tokens` are skipped. Example
   n is answered with sampling (temperature / top_p) when a seeded coin says so
-  (probability `sample_fraction`), else greedily.
+  (probability `sample_fraction`), else greedily. Answers are generated with
+  continuous batching (`specjax.decoding.continuous`: `batch_size` rows, a
+  finished row takes the next prompt) and appended as they finish; example n
+  is request n, so its answer does not depend on the batch it shared.
   """
   progress = progress or (lambda s: None)
   tok = model.tokenizer
@@ -157,28 +161,35 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
       continue
     todo[bool(coin[n] < sample_fraction)].append((n, eid, prompt))
   total = sum(len(v) for v in todo.values())
-  made, t0 = 0, time.perf_counter()
+  made, new_tokens, t0 = 0, 0, time.perf_counter()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   for is_sampled, items in todo.items():
-    items.sort(key=lambda x: len(x[2]))  # similar lengths together: less padding
+    if not items:
+      continue
+    items.sort(key=lambda x: len(x[2]))  # similar lengths refill together: less padding
     settings = sampled if is_sampled else greedy
-    for i in range(0, len(items), batch_size):
-      chunk = items[i:i + batch_size]
-      res = ar.generate(model.params, model.cfg, [c[2] for c in chunk], key=seed,
-                        sampling=settings, max_new_tokens=max_new_tokens,
-                        request_ids=[c[0] for c in chunk])
-      with open(path, "a") as f:
-        for (n, eid, prompt), answer in zip(chunk, res.tokens):
-          f.write(json.dumps({
-              "id": eid, "split": split_of(eid, valid_fraction), "prompt": prompt,
-              "answer": [int(t) for t in answer],
-              "sampling": {"temperature": settings.temperature, "top_k": settings.top_k,
-                           "top_p": settings.top_p},
-              "seed": seed, "model": model_name, "max_new_tokens": max_new_tokens}) + "\n")
-      made += len(chunk)
-      el = time.perf_counter() - t0
-      progress(f"distill data: {made}/{total} answers, {el:.0f}s elapsed, "
-               f"ETA {el / made * (total - made):.0f}s")
+    by_n = {n: (eid, prompt) for n, eid, prompt in items}
+    answers = continuous.generate(
+        model.params, model.cfg, ((n, prompt) for n, _, prompt in items), key=seed,
+        sampling=settings, batch_size=min(batch_size, len(items)),
+        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+        chunk_steps=chunk_steps)
+    with open(path, "a") as f:
+      for n, answer in answers:
+        eid, prompt = by_n[n]
+        f.write(json.dumps({
+            "id": eid, "split": split_of(eid, valid_fraction), "prompt": prompt,
+            "answer": [int(t) for t in answer],
+            "sampling": {"temperature": settings.temperature, "top_k": settings.top_k,
+                         "top_p": settings.top_p},
+            "seed": seed, "model": model_name, "max_new_tokens": max_new_tokens}) + "\n")
+        f.flush()
+        made += 1
+        new_tokens += len(answer)
+        el = time.perf_counter() - t0
+        progress(f"distill data: {made}/{total} answers, {new_tokens} tokens, "
+                 f"{new_tokens / el:.1f} tokens/s, {el:.0f}s elapsed, "
+                 f"ETA {el / made * (total - made):.0f}s")
   return read_records(path)
 
 
