@@ -21,7 +21,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Dict, Iterable, Iterator, List, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Sequence, Set, Tuple
 
 N = 13
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -77,16 +77,24 @@ class EvalIndex:
     return any(_key(ws[i:i + N]) in self.grams for i in range(len(ws) - N + 1))
 
 
+def resolve_source(table: Dict[str, Tuple[str, Callable]], name: str, data_dir: str,
+                   kind: str) -> Tuple[str, Callable]:
+  """(the file's path, its record reader) for source `name` of `table`; a
+  clear error for an unknown name or a missing file."""
+  if name not in table:
+    raise ValueError(f"unknown {kind} source {name!r}; available: {', '.join(table)}")
+  rel, read = table[name]
+  path = os.path.join(data_dir, rel)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{kind} source {name!r}: {path} does not exist")
+  return path, read
+
+
 def eval_index(data_dir: str, sources: Iterable[str] = tuple(EVAL_SOURCES)) -> EvalIndex:
   """The index of the named evaluation files (every one by default)."""
   grams, short, counts = set(), set(), {}
   for name in sources:
-    if name not in EVAL_SOURCES:
-      raise ValueError(f"unknown evaluation source {name!r}; available: {', '.join(EVAL_SOURCES)}")
-    rel, texts_of = EVAL_SOURCES[name]
-    path = os.path.join(data_dir, rel)
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"evaluation source {name!r}: {path} does not exist")
+    path, texts_of = resolve_source(EVAL_SOURCES, name, data_dir, "evaluation")
     n = 0
     with open(path) as f:
       for line in f:

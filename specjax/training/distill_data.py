@@ -77,12 +77,7 @@ def load_instructions(sources: Sequence[str], data_dir: str = DATA_DIR, *,
   evaluation prompt (`specjax.training.decontaminate`)."""
   out = []
   for name in sources:
-    if name not in SOURCES:
-      raise ValueError(f"unknown data source {name!r}; available: {', '.join(SOURCES)}")
-    rel, text_of = SOURCES[name]
-    path = os.path.join(data_dir, rel)
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"data source {name!r}: {path} does not exist")
+    path, text_of = decontaminate_lib.resolve_source(SOURCES, name, data_dir, "data")
     recs = _load_jsonl(path) if path.endswith(".jsonl") else _load_json_array(path)
     out += [(f"{name}/{i}", text_of(r)) for i, r in enumerate(recs)]
   if decontaminate:
