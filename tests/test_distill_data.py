@@ -3,7 +3,11 @@ by id; and the datasets' reference answers in the same record format."""
 
 import json
 
+import pytest
+
 from specjax.training import distill_data
+
+pytestmark = pytest.mark.slow  # the real model
 
 SOURCES = ["alpaca", "gsm8k_train"]
 

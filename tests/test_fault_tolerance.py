@@ -179,6 +179,7 @@ def runs(tmp_path_factory):
   return root, survived
 
 
+@pytest.mark.slow  # training runs killed and resumed in subprocesses
 def test_killed_runs_end_with_the_uninterrupted_runs_bits(runs):
   root, survived = runs
   assert sum(s["returncode"] == -9 for s in survived) >= 4
@@ -193,6 +194,7 @@ def test_killed_runs_end_with_the_uninterrupted_runs_bits(runs):
   assert sorted(os.listdir(os.path.join(root, "killed", "state"))) == ["25", "30"]
 
 
+@pytest.mark.slow  # training runs killed and resumed in subprocesses
 def test_negative_controls_resume_with_other_settings(runs):
   root, _ = runs
   seed_proc = _start(root / "other_seed", extra=["--config.seed=1"])

@@ -13,6 +13,8 @@ import pytest
 
 from specjax import distributed
 
+pytestmark = pytest.mark.slow  # multi-process jobs (~4 min of start-ups and compiles)
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
 NUM_PROCESSES = 2
 TIMEOUT_S = 900
