@@ -22,7 +22,7 @@ and one for a fault found while decoding:
                            tokens drawn from them
 
 The loaders' own errors (`specjax.io.gguf.GGUFError`, `specjax.io.hf.HFFormatError`,
-`specjax.training.checkpoints.CheckpointError`, `PromptFileError`) are
+`specjax.io.checkpoints.CheckpointError`, `PromptFileError`) are
 subclasses of MalformedFileError, so `except MalformedFileError` catches any
 bad file, and `except ValueError` still catches everything it caught before.
 Parsers check every size, count and offset a file declares against the file's

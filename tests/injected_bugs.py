@@ -59,8 +59,8 @@ BUGS = (
         "forward attends to a stale entry (the level the verify forward starts from; "
         "the one set at commit is reset there, so a bug in it alone is harmless)",
         "specjax/decoding/speculative.py",
-        "  cache = cache.with_length(state.length - 1)\n",
-        "  cache = cache.with_length(state.length)\n",
+        "  cache = cache.with_length(root_slot)\n",
+        "  cache = cache.with_length(root_slot + 1)\n",
         "tests/test_speculative.py"),
     Bug("residual_not_renormalised",
         "the residual max(0, p - q) is drawn from as if it summed to one",
@@ -73,8 +73,8 @@ BUGS = (
     Bug("stale_tree_slot",
         "the accepted tree path's cache entries are not moved into place: the next "
         "round reads the entries of whichever nodes sat in those slots",
-        "specjax/decoding/tree.py",
-        "  cache = commit_path(cache, root_slot, path, n_acc, active)\n",
+        "specjax/decoding/speculative.py",
+        "    cache = trees.commit_path(cache, root_slot, path, n_acc, active)\n",
         "",
         "tests/test_tree.py"),
     Bug("q_from_wrong_position",

@@ -21,7 +21,8 @@ from specjax.io import hf
 from specjax.io.load import load_model
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
-from specjax.training import checkpoints, draft_train, loop, run
+from specjax.io import checkpoints
+from specjax.training import draft_train, loop, run
 
 
 @pytest.fixture(scope="module")

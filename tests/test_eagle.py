@@ -17,7 +17,8 @@ from specjax.decoding import speculative as sp
 from specjax.drafters import eagle
 from specjax.drafters.base import Context, Target
 from specjax.models import cache as cache_lib
-from specjax.training import checkpoints, eagle_train, loop, run
+from specjax.io import checkpoints
+from specjax.training import eagle_train, loop, run
 
 T1 = sampling_lib.SamplingConfig(temperature=1.0)
 
@@ -246,8 +247,7 @@ def test_state_equals_a_fresh_prefill_after_every_kind_of_round(trained, tiny_ta
 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec"))
 def _tree_round(params, cfg, drafter, dparams, spec, state):
-  from specjax.decoding import tree as tree_lib  # pylint: disable=import-outside-toplevel
-  return tree_lib.tree_round(params, cfg, drafter, dparams, spec, state)
+  return sp.spec_round(params, cfg, drafter, dparams, spec, state)
 
 
 def test_tree_state_equals_a_fresh_prefill_after_each_round(trained, tiny_target):

@@ -31,7 +31,7 @@ from specjax.benchmarks import specbench
 from specjax.errors import MalformedFileError
 from specjax.io import jsonl
 from specjax.training import loop, state_store
-from specjax.training.checkpoints import CheckpointError
+from specjax.io.checkpoints import CheckpointError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAVE_EVERY, EVAL_EVERY = 30, 5, 10

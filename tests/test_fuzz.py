@@ -27,7 +27,7 @@ from specjax.drafters import registry
 from specjax.io import gguf as gguf_io
 from specjax.io import hf
 from specjax.io.load import load_model
-from specjax.training import checkpoints
+from specjax.io import checkpoints
 
 # orbax leaves a coroutine un-awaited when it refuses a damaged checkpoint
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")

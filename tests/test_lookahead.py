@@ -264,7 +264,7 @@ TREE_DRAFTER = la.LookaheadTree(window=4, ngram=3, max_candidates=4, pool_size=3
 
 
 def test_candidates_merge_into_a_trie():
-  from specjax.decoding.tree import candidates_tree  # pylint: disable=import-outside-toplevel
+  from specjax.trees import candidates_tree  # pylint: disable=import-outside-toplevel
   cands = jnp.asarray([[[5, 6, 7], [5, 6, 8], [5, 9, 7], [4, 6, 7], [5, 6, 7]]])
   lengths = jnp.asarray([[3, 3, 2, 3, 0]])
   tokens, parent = candidates_tree(cands, lengths)

@@ -12,7 +12,8 @@ import pytest
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import medusa
-from specjax.training import checkpoints, loop, run
+from specjax.io import checkpoints
+from specjax.training import loop, run
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, load_config):

@@ -16,7 +16,7 @@ from specjax.analysis import exactness
 from specjax.analysis import montecarlo as mc
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
-from specjax.decoding import tree as tree_lib
+from specjax import trees as tree_lib
 from specjax.drafters.medusa import (MedusaTree, geometric_accuracies, tree_from_accuracies,
                                      tree_structure)
 from specjax.models import cache as cache_lib
@@ -236,7 +236,7 @@ def test_greedy_medusa_tree_equals_ar_and_accepts_more_than_the_chain():
 
 @functools.partial(jax.jit, static_argnames=("cfg", "drafter", "spec"))
 def _tree_round(params, cfg, drafter, dparams, spec, state):
-  return tree_lib.tree_round(params, cfg, drafter, dparams, spec, state)
+  return sp.spec_round(params, cfg, drafter, dparams, spec, state)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_slots"))

@@ -10,7 +10,7 @@ shapes, questions of the right types) or raise the library's error for it:
   gguf         specjax.io.load.load_model on a .gguf file      -> MalformedFileError
   safetensors  specjax.io.hf.load_hf, model.safetensors mutated -> MalformedFileError
   hf_config    specjax.io.hf.load_hf, config.json mutated       -> MalformedFileError
-  checkpoint   specjax.training.checkpoints.load_drafter        -> MalformedFileError
+  checkpoint   specjax.io.checkpoints.load_drafter        -> MalformedFileError
   prompts      specjax.benchmarks.specbench.load_questions       -> MalformedFileError
   config       run settings -> SamplingConfig, SpecConfig and
                specjax.drafters.registry.make_drafter           -> BadInputError
@@ -291,7 +291,7 @@ def make_seeds(workdir: str) -> Seeds:
   from specjax.io.load import Model  # pylint: disable=import-outside-toplevel
   from specjax.models import transformer  # pylint: disable=import-outside-toplevel
   from specjax.models.config import tiny_config  # pylint: disable=import-outside-toplevel
-  from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+  from specjax.io import checkpoints  # pylint: disable=import-outside-toplevel
 
   os.makedirs(os.path.join(workdir, "mutants"), exist_ok=True)
   cfg = tiny_config(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2,
@@ -411,7 +411,7 @@ def fuzz_hf_config(seeds: Seeds, draw: Draw, note: Callable[[str], None]) -> Non
 
 
 def fuzz_checkpoint(seeds: Seeds, draw: Draw, note: Callable[[str], None]) -> None:
-  from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+  from specjax.io import checkpoints  # pylint: disable=import-outside-toplevel
 
   out = seeds.scratch("ckpt")
   shutil.rmtree(out, ignore_errors=True)

@@ -115,7 +115,7 @@ def hf_draft_dir(c, model: Model, progress: Callable[[str], None]) -> str:
   if spec != "distilled" and os.path.isfile(os.path.join(spec, "config.json")):
     return spec
   checkpoint = registry.shipped_checkpoint("draft_model") if spec == "distilled" else spec
-  from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+  from specjax.io import checkpoints  # pylint: disable=import-outside-toplevel
   if not os.path.isfile(os.path.join(checkpoint, checkpoints.CARD)):
     raise ValueError(f"draft_model {spec!r}: the HF peer needs the draft model as an HF "
                      "directory; export it (experiments/export.py) and set hf_draft")

@@ -15,6 +15,16 @@ Each round, every active row:
    by setting its fill level (rejected slots become stale, nothing is copied);
    the drafter is brought to the committed state.
 
+A tree drafter (Medusa's static trees, EAGLE-2's dynamic ones, Lookahead's
+candidate trie) proposes N nodes with parents instead of a chain
+(`Proposal.parent`); the same round feeds [root, node 0, ..., node N - 1] in
+one forward, node j at RoPE position (length - 1) + depth(j) under an
+ancestor-only mask (`specjax.trees`), verifies the tree
+(`verify.tree_accept`, exact for any temperature; `verify.tree_greedy_accept`
+for greedy targets), gathers the accepted path's cache entries into the slots
+right after the root (`trees.commit_path`) and hands the drafter the verify
+features of the root and the accepted path as a chain.
+
 Everything runs in one `lax.while_loop` on device; rows accept different
 numbers of tokens per round and finish independently.
 
@@ -39,6 +49,7 @@ import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax import sharding
+from specjax import trees
 from specjax import verify
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import batch as batch_lib
@@ -193,7 +204,7 @@ def run_verify(spec: SpecConfig, num_proposed, verify_forward, cache, width: int
     return verify_forward(cache, width) + (jnp.int32(width),)
   need = jnp.max(num_proposed) + 1
   idx = jnp.minimum(jnp.sum(jnp.asarray(ws[:-1]) < need), len(ws) - 1)
-  out = jax.lax.switch(idx, [functools.partial(verify_forward, width=w) for w in ws], cache)
+  out = jax.lax.switch(idx, [lambda c, w=w: verify_forward(c, w) for w in ws], cache)
   return out + (jnp.asarray(ws, jnp.int32)[idx],)
 
 
@@ -223,44 +234,89 @@ def propose_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec
 
 def spec_round(params, cfg: ModelConfig, drafter: Drafter, draft_params, spec: SpecConfig,
                state: SpecState) -> SpecState:
-  """One draft-verify-accept-commit round for every active row."""
-  k = drafter.k
+  """One draft-verify-accept-commit round for every active row.
+
+  A chain proposal (`proposal.parent is None`, K guesses) is verified at
+  positions length - 1 .. length - 1 + K with the causal mask; a tree (N
+  nodes, `specjax.trees`) at the root's position plus each node's depth, with
+  an ancestor-only mask, and its accepted path's cache entries are then moved
+  into place. The branch is taken at trace time; everything else is shared.
+  """
+  k = drafter.k  # a chain's guesses; a tree's depth (the longest path it holds)
   active, accept_keys, proposal, dstate, cache = propose_round(params, cfg, drafter,
                                                                draft_params, spec, state)
-  # Whatever a cache-sharing drafter wrote sits at slots >= length - 1, all of
-  # which this forward rewrites (it writes length - 1 .. length - 1 + K).
-  cache = cache.with_length(state.length - 1)
-  last = jnp.take_along_axis(state.history, (state.length - 1)[:, None], axis=1)
-  fed = jnp.concatenate([last, proposal.tokens], axis=1)  # (B, K + 1)
+  is_tree = proposal.parent is not None
+  width = proposal.tokens.shape[1] + 1  # the newest committed token, then K guesses / N nodes
   num_proposed = jnp.where(active, proposal.num_proposed, 0)
+  # The fill level the verify forward starts from: whatever a cache-sharing
+  # drafter wrote sits at slots >= length - 1, all of which this forward rewrites.
+  root_slot = state.length - 1
+  cache = cache.with_length(root_slot)
+  last = jnp.take_along_axis(state.history, root_slot[:, None], axis=1)
+  fed = jnp.concatenate([last, proposal.tokens], axis=1)  # (B, width)
+  if is_tree:
+    if spec.rule != "exact":
+      raise ValueError(f"tree verification supports the exact rule only, got {spec.rule!r}")
+    n_nodes = width - 1
+    valid = (jnp.arange(n_nodes)[None] < num_proposed[:, None]) & (proposal.parent >= -1)
+    parent = jnp.where(valid, proposal.parent, -1)  # for positions and the mask
+    dep = trees.depths(parent)
+    positions = root_slot[:, None] + jnp.concatenate([jnp.zeros_like(dep[:, :1]), dep], axis=1)
+    # padding nodes: visible to nobody but themselves
+    real = jnp.concatenate([jnp.ones_like(valid[:, :1]), valid], axis=1)
+    mask = trees.ancestor_mask(parent) & (real[:, None, :]
+                                          | jnp.eye(width, dtype=bool)[None])
+  else:
+    positions = root_slot[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
+    mask = None
+  hidden_layers = tuple(drafter.layers_for(cfg))
 
-  def verify_forward(cache, width):
-    logits, hidden, cache = transformer.forward(params, cfg, fed[:, :width],
-                                                transformer.chain_positions(cache, width), cache,
-                                                active=active,
-                                                hidden_layers=tuple(drafter.layers_for(cfg)))
-    if width < k + 1:  # positions past every row's proposal are never read
-      logits, hidden = (jnp.pad(x, ((0, 0), (0, k + 1 - width), (0, 0)), mode="edge")
+  def verify_forward(cache, w):
+    logits, hidden, cache = transformer.forward(
+        params, cfg, fed[:, :w], positions[:, :w], cache,
+        mask=None if mask is None else mask[:, :w, :w], active=active,
+        hidden_layers=hidden_layers)
+    if w < width:  # positions past every row's proposal are never read
+      logits, hidden = (jnp.pad(x, ((0, 0), (0, width - w), (0, 0)), mode="edge")
                         for x in (logits, hidden))
     return logits, hidden, cache
 
-  logits, hidden, cache, used = run_verify(spec, num_proposed, verify_forward, cache, k + 1,
+  logits, hidden, cache, used = run_verify(spec, num_proposed, verify_forward, cache, width,
                                            drafter.verify_widths)
-  if callable(spec.rule):
-    p = sampling_lib.probs(logits, spec.sampling)
-    n_acc, nxt = spec.rule(accept_keys, proposal.tokens, proposal.q, p, num_proposed, logits)
-  elif spec.rule == "typical":
-    p = sampling_lib.probs(logits, spec.sampling)
-    n_acc, nxt = verify.typical_accept(proposal.tokens, p, num_proposed)
-  elif spec.sampling.greedy:
-    n_acc, nxt = verify.greedy_accept(proposal.tokens, logits, num_proposed)
+  if is_tree:
+    parent = jnp.where(valid, parent, -2)  # padding is nobody's child
+    if spec.sampling.greedy:
+      path, n_acc, nxt = verify.tree_greedy_accept(proposal.tokens, parent, logits,
+                                                   num_proposed)
+    else:
+      p = sampling_lib.probs(logits, spec.sampling)
+      path, n_acc, nxt = verify.tree_accept(accept_keys, proposal.tokens, parent, proposal.q,
+                                            p, num_proposed)
+    n_acc = jnp.minimum(n_acc, k)
+    # the root's and the accepted path's logits chose this round's tokens
+    state = stop_nonfinite(state, trees.path_gather(logits, path, k + 1), n_acc + 1)
+    cache = trees.commit_path(cache, root_slot, path, n_acc, active)
+    path_tokens = jnp.take_along_axis(proposal.tokens, jnp.maximum(path[:, :k], 0), axis=1)
+    hidden = trees.path_gather(hidden, path, k + 1)
+    evaluated = jnp.minimum(n_acc + 1, jnp.minimum(num_proposed, k))
   else:
-    p = sampling_lib.probs(logits, spec.sampling)
-    n_acc, nxt = verify.chain_accept(accept_keys, proposal.tokens, proposal.q, p, num_proposed)
-  # positions 0..n_acc chose this round's tokens (a NaN there may have been accepted through)
-  state = stop_nonfinite(state, logits, n_acc + 1)
-  evaluated = jnp.minimum(n_acc + 1, num_proposed)
-  return commit_round(cfg, drafter, draft_params, state, dstate, cache, proposal.tokens, n_acc,
+    if callable(spec.rule):
+      p = sampling_lib.probs(logits, spec.sampling)
+      n_acc, nxt = spec.rule(accept_keys, proposal.tokens, proposal.q, p, num_proposed, logits)
+    elif spec.rule == "typical":
+      p = sampling_lib.probs(logits, spec.sampling)
+      n_acc, nxt = verify.typical_accept(proposal.tokens, p, num_proposed)
+    elif spec.sampling.greedy:
+      n_acc, nxt = verify.greedy_accept(proposal.tokens, logits, num_proposed)
+    else:
+      p = sampling_lib.probs(logits, spec.sampling)
+      n_acc, nxt = verify.chain_accept(accept_keys, proposal.tokens, proposal.q, p,
+                                       num_proposed)
+    # positions 0..n_acc chose this round's tokens (a NaN there may have been accepted through)
+    state = stop_nonfinite(state, logits, n_acc + 1)
+    path_tokens = proposal.tokens
+    evaluated = jnp.minimum(n_acc + 1, num_proposed)
+  return commit_round(cfg, drafter, draft_params, state, dstate, cache, path_tokens, n_acc,
                       nxt, hidden, evaluated, used)
 
 
@@ -320,12 +376,7 @@ def commit_round(cfg: ModelConfig, drafter: Drafter, draft_params, state: SpecSt
 def decode(params, cfg: ModelConfig, drafter: Drafter, draft_params, state: SpecState, *,
            spec: SpecConfig) -> SpecState:
   """Rounds on device until every row is done."""
-  if getattr(drafter, "tree", False):
-    from specjax.decoding import tree as tree_lib  # pylint: disable=import-outside-toplevel
-    round_fn = tree_lib.tree_round
-  else:
-    round_fn = spec_round
-  body = functools.partial(round_fn, params, cfg, drafter, draft_params, spec)
+  body = functools.partial(spec_round, params, cfg, drafter, draft_params, spec)
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
 
 

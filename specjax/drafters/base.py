@@ -49,16 +49,24 @@ class Context:
 
 @flax.struct.dataclass
 class Proposal:
-  """Up to K guesses per row and the distributions they were drawn from.
+  """A drafter's guesses per row and the distributions they were drawn from.
 
-  Slots at or beyond `num_proposed[b]` are padding: never accepted, and the
-  next token there is drawn from the target's p. For deterministic drafters
-  (prompt lookup, Lookahead, replay) `q` is the one-hot of the guess.
+  A chain (`parent` None): up to K guesses, guess i following guess i - 1.
+  A tree (`parent` given): up to N nodes in topological order, siblings in
+  draw order; node j's parent is `parent[b, j]` in [-1, j - 1] (-1: the root,
+  the newest committed token), and -2 marks a node that is not in the tree (a
+  duplicate a trie merged away, an empty candidate slot:
+  `specjax.trees.candidates_tree`). Entries at or beyond `num_proposed[b]` are
+  padding: never accepted (for a chain, the next token there is drawn from
+  the target's p). Node / guess j was drawn from `q[:, j]` (for a tree, given
+  the siblings drawn before it; see `specjax.verify`); deterministic drafters
+  (prompt lookup, Lookahead, replay) give the one-hot of the guess.
   """
 
-  tokens: jax.Array  # (B, K) int32
-  q: jax.Array  # (B, K, V) float32
-  num_proposed: jax.Array  # (B,) int32 in [0, K]
+  tokens: jax.Array  # (B, K) or (B, N) int32
+  q: jax.Array  # (B, K, V) or (B, N, V) float32
+  num_proposed: jax.Array  # (B,) int32 in [0, K] or [0, N]
+  parent: Optional[jax.Array] = None  # (B, N) int32 for a tree; None for a chain
 
 
 @flax.struct.dataclass
@@ -250,9 +258,8 @@ class Drafter:
     if not isinstance(self.k, int) or self.k < 1:
       raise ValueError(f"draft length k must be an integer >= 1, got {self.k!r}")
 
-  # Whether `propose` returns a tree (`specjax.decoding.tree.TreeProposal`,
-  # verified by `tree.tree_round`); k is then the tree's depth and `block`
-  # its node count + 1.
+  # Whether `propose` returns a tree (a `Proposal` with `parent`); k is then
+  # the tree's depth and `block` its node count + 1.
   tree = False
   name = "drafter"
   # Whether the drafter's q is NOT the distribution its guesses were drawn

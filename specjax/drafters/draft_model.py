@@ -138,3 +138,22 @@ def truncated_model(params, cfg: ModelConfig, num_layers: int):
     raise ValueError(f"a truncated draft model needs 1..{cfg.num_layers} layers, got {num_layers}")
   dparams = dict(params, layers=list(params["layers"][:num_layers]))
   return dparams, cfg.replace(num_layers=num_layers)
+
+
+def student_config(cfg: ModelConfig, num_layers: int) -> ModelConfig:
+  """A distilled draft model's config: the target's with `num_layers` layers."""
+  return cfg.replace(num_layers=num_layers)
+
+
+def assemble(student: dict, target_params, cfg: ModelConfig) -> dict:
+  """Full draft-model params: the student's layers and norm + the target's
+  embedding (and untied LM head); arrays shared, cast to the target's dtype.
+  Extra entries of the student ("vocab", ...) are kept."""
+  dt = cfg.jnp_dtype
+  out = {k: v for k, v in student.items() if k not in ("layers", "final_norm", "vocab_rank")}
+  out["layers"] = [jax.tree.map(lambda x: x.astype(dt), l) for l in student["layers"]]
+  out["final_norm"] = student["final_norm"].astype(dt)
+  out["embed"] = target_params["embed"]
+  if not cfg.tie_embeddings:
+    out["lm_head"] = target_params["lm_head"]
+  return out

@@ -454,7 +454,6 @@ class EagleTree(Eagle):
     return ids, q, conf
 
   def propose(self, params, target, state, ctx, target_cache, keys):
-    from specjax.decoding.tree import TreeProposal  # pylint: disable=import-outside-toplevel
     cfg = target.cfg
     vsize = cfg.vocab_size
     vocab = params.get("vocab")
@@ -539,5 +538,5 @@ class EagleTree(Eagle):
       tokens = jnp.take_along_axis(tokens, keep, 1)
       q = jnp.take_along_axis(q, keep[..., None], 1)
     num = jnp.where(ctx.active, self.nodes, 0).astype(jnp.int32)
-    return (TreeProposal(tokens=tokens, parent=parent, q=q, num_nodes=num),
+    return (Proposal(tokens=tokens, q=q, num_proposed=num, parent=parent),
             state.replace(cache=cache.with_length(base), base=base), target_cache)

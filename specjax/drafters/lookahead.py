@@ -74,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Int
 
+from specjax import trees
 from specjax.drafters.base import Drafter, Proposal, cut_at_eos, one_hot_q
 from specjax.models import transformer
 
@@ -360,7 +361,6 @@ class LookaheadTree(Lookahead):
     return max(self.num_nodes + 1, (self.ngram - 1) * self.window)
 
   def propose(self, params, target, state, ctx, target_cache, keys):
-    from specjax.decoding.tree import TreeProposal, candidates_tree  # pylint: disable=import-outside-toplevel
     cfg = target.cfg
     n = self.ngram
     pool, last, nxt, state, cache = self._lookahead(target, state, ctx, target_cache)
@@ -375,7 +375,7 @@ class LookaheadTree(Lookahead):
     is_eos = cont == cfg.eos_id
     first_eos = jnp.where(jnp.any(is_eos, -1), jnp.argmax(is_eos, -1) + 1, n - 1)
     lengths = jnp.where(ctx.active[:, None], jnp.minimum(lengths, first_eos), 0)
-    tokens, parent = candidates_tree(cont, lengths.astype(jnp.int32))
+    tokens, parent = trees.candidates_tree(cont, lengths.astype(jnp.int32))
     num = jnp.where(ctx.active, self.num_nodes, 0).astype(jnp.int32)
-    return (TreeProposal(tokens=tokens, parent=parent, q=one_hot_q(tokens, cfg.vocab_size),
-                         num_nodes=num), state, cache)
+    return (Proposal(tokens=tokens, q=one_hot_q(tokens, cfg.vocab_size), num_proposed=num,
+                     parent=parent), state, cache)

@@ -276,7 +276,6 @@ class MedusaTree(Medusa):
     r_idx = jnp.asarray(ranks)
     tokens = tok_dr[:, d_idx, r_idx]  # (B, N)
     qn = q_dr[:, d_idx, r_idx]  # (B, N, V)
-    from specjax.decoding.tree import TreeProposal  # pylint: disable=import-outside-toplevel
     num = jnp.where(state.valid & ctx.active, n, 0).astype(jnp.int32)
     parent = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
-    return TreeProposal(tokens=tokens, parent=parent, q=qn, num_nodes=num), state, target_cache
+    return Proposal(tokens=tokens, q=qn, num_proposed=num, parent=parent), state, target_cache

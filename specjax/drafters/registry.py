@@ -55,10 +55,8 @@ sampling settings, read from the config's temperature / top_k / top_p unless
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import numbers
 import os
-import importlib.util
 from typing import Any, Optional, Sequence
 
 import jax.numpy as jnp
@@ -66,11 +64,16 @@ import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax.errors import BadInputError, ConfigValueError
+from specjax.io import checkpoints
+from specjax.io.load import load_model
 from specjax.drafters.base import Drafter
 from specjax.drafters import draft_model as draft_model_lib
 from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.layer_skip import LayerSkip, parse_layers
-from specjax.drafters.medusa import Blockwise, Medusa
+from specjax.drafters.lookahead import Lookahead, LookaheadTree
+from specjax.drafters import eagle
+from specjax.drafters.medusa import (Blockwise, Medusa, MedusaTree, geometric_accuracies,
+                                     tree_from_accuracies)
 from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.replay import AlwaysReject, Replay, ReplayParams
 
@@ -83,8 +86,9 @@ SHIPPED_TARGET = "smollm2-135m"
 _CHECKPOINT_KIND = {"medusa": "medusa", "blockwise": "medusa", "eagle": "eagle",
                     "eagle3": "eagle3", "medusa_tree": "medusa", "eagle_tree": "eagle",
                     "eagle3_tree": "eagle3"}
-LOOKAHEAD_MODULE = "specjax.drafters.lookahead"
 LOOKAHEAD_METHODS = ("lookahead", "lookahead_tree")
+# Lookahead's settings (window, ngram, ...) are its dataclass fields, '@'-settable
+_LOOKAHEAD_FIELDS = frozenset(f.name for f in dataclasses.fields(Lookahead) if f.init)
 
 
 def add_config_fields(c) -> None:
@@ -153,9 +157,8 @@ def parse_method(method: str) -> tuple[str, dict]:
   """'eagle3_tree@tree_nodes=8@k=3' -> ('eagle3_tree', {'tree_nodes': 8, 'k': 3})."""
   base, *parts = str(method).split("@")
   allowed = _config_fields()
-  if base in LOOKAHEAD_METHODS and importlib.util.find_spec(LOOKAHEAD_MODULE) is not None:
-    cls = getattr(importlib.import_module(LOOKAHEAD_MODULE), "Lookahead")
-    allowed = allowed | {f.name for f in dataclasses.fields(cls) if f.init}
+  if base in LOOKAHEAD_METHODS:
+    allowed = allowed | _LOOKAHEAD_FIELDS
   overrides = {}
   for part in parts:
     key, sep, value = part.partition("=")
@@ -194,10 +197,8 @@ def method_config(method: str, config) -> tuple[str, Any]:
 
 
 def available_methods() -> tuple:
-  """Method names make_drafter accepts here (lookahead only once its module exists)."""
-  if importlib.util.find_spec(LOOKAHEAD_MODULE) is not None:
-    return BUILTIN + LOOKAHEAD_METHODS
-  return BUILTIN
+  """Method names make_drafter accepts."""
+  return BUILTIN + LOOKAHEAD_METHODS
 
 
 def _field(config, name: str, default=None):
@@ -248,7 +249,6 @@ def truncated_model(params, cfg, num_layers: int):
 
 
 def _is_drafter_checkpoint(spec: str) -> bool:
-  from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
   return os.path.isfile(os.path.join(spec, checkpoints.CARD))
 
 
@@ -256,7 +256,6 @@ def distilled_model(path: str, target_model, draft_vocab=None):
   """A distilled draft model (configs/draft_model.py) for this target -> (params, cfg):
   its layers and final norm from the checkpoint (fingerprint checked), the
   target's embedding and LM head, the draft vocabulary chosen by `draft_vocab`."""
-  from specjax.training import checkpoints, draft_train  # pylint: disable=import-outside-toplevel
   cfg = target_model.cfg
   student, card = checkpoints.load_drafter(path, target_model.params, cfg, method="draft_model")
   n = len(student.get("layers", ()))
@@ -264,8 +263,8 @@ def distilled_model(path: str, target_model, draft_vocab=None):
     raise checkpoints.CheckpointError(
         f"{path}: a draft_model checkpoint needs {card.get('num_layers')} layers and a final "
         f"norm, found {n} layers")
-  dcfg = draft_train.student_config(cfg, n)
-  params = draft_train.assemble(student, target_model.params, cfg)
+  dcfg = draft_model_lib.student_config(cfg, n)
+  params = draft_model_lib.assemble(student, target_model.params, cfg)
   params["vocab_rank"] = student.get("vocab_rank")
   if params["vocab_rank"] is None:
     params.pop("vocab_rank")
@@ -284,7 +283,6 @@ def _draft_model(spec: str, target_model, draft_vocab=None):
   elif os.path.isdir(spec) and _is_drafter_checkpoint(spec):
     out = distilled_model(spec, target_model, draft_vocab)
   else:
-    from specjax.io.load import load_model  # pylint: disable=import-outside-toplevel
     draft = load_model(spec, target_model.cfg.dtype)
     out = draft.params, draft.cfg
   if draft_vocab not in (None, "") and spec != "distilled" and not _is_drafter_checkpoint(spec):
@@ -296,7 +294,6 @@ def _draft_model(spec: str, target_model, draft_vocab=None):
 
 def default_draft_model(target_model) -> str:
   """'distilled' for the target the shipped draft model was trained for, else 'self:L/3'."""
-  from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
   try:
     fp = checkpoints.read_card(shipped_checkpoint("draft_model")).get("target_fingerprint")
   except checkpoints.CheckpointError:
@@ -357,7 +354,6 @@ def drafter_id(method: str, config, target_model=None) -> Optional[str]:
 def _trained(method: str, config, target_model):
   """A trained drafter's params from `config.checkpoint` or the shipped one;
   the checkpoint's target fingerprint must match this target."""
-  from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
 
   kind = _CHECKPOINT_KIND[method]
   path = _field(config, "checkpoint") or shipped_checkpoint(kind)
@@ -368,19 +364,11 @@ def _trained(method: str, config, target_model):
 def medusa_tree_choices(top1, nodes: int) -> tuple:
   """Medusa's sparse tree of `nodes` nodes from per-head top-1 accuracies
   (ranks modelled geometrically; at most `nodes` ranks per head)."""
-  from specjax.drafters.medusa import geometric_accuracies, tree_from_accuracies  # pylint: disable=import-outside-toplevel
   return tree_from_accuracies(geometric_accuracies(top1, max(1, min(nodes, 16))), nodes)
 
 
 def _lookahead(config, k: int, tree: bool = False):
-  try:
-    module = importlib.import_module(LOOKAHEAD_MODULE)
-  except ModuleNotFoundError as e:
-    if e.name != LOOKAHEAD_MODULE:
-      raise
-    raise ValueError("method 'lookahead' is not available: specjax/drafters/lookahead.py does "
-                     f"not exist yet; available: {', '.join(available_methods())}") from None
-  cls = getattr(module, "LookaheadTree" if tree else "Lookahead")
+  cls = LookaheadTree if tree else Lookahead
   kwargs = {f.name: _field(config, f.name) for f in dataclasses.fields(cls)
             if f.init and f.name != "k" and _field(config, f.name) is not None}
   return cls(k=None if tree else k, **kwargs)  # a trie's depth is N - 1
@@ -417,7 +405,7 @@ def _make_drafter(method: str, config, target_model, *, reference=None,
   """
   method, config = method_config(method, config)
   methods = available_methods()
-  if method not in methods and method not in LOOKAHEAD_METHODS:
+  if method not in methods:
     raise ValueError(f"unknown drafting method {method!r}; available: {', '.join(methods)}")
   k = _k(config)
   sampling = sampling or sampling_of(config)
@@ -443,7 +431,6 @@ def _make_drafter(method: str, config, target_model, *, reference=None,
   if method == "always_reject":
     return AlwaysReject(k=k), None
   if method in ("eagle", "eagle3", "eagle_tree", "eagle3_tree"):
-    from specjax.drafters import eagle  # pylint: disable=import-outside-toplevel
     params = _trained(method, config, target_model)
     params = eagle.with_draft_vocab(params, _field(config, "draft_vocab"), cfg)
     fused = method.startswith("eagle3")
@@ -459,8 +446,6 @@ def _make_drafter(method: str, config, target_model, *, reference=None,
     drafter.check(cfg, params)
     return drafter, eagle.prepare(params, target_model.params, cfg)
   if method == "medusa_tree":
-    from specjax.drafters.medusa import MedusaTree  # pylint: disable=import-outside-toplevel
-    from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
     path = _field(config, "checkpoint") or shipped_checkpoint("medusa")
     params, card = checkpoints.load_drafter(path, target_model.params, cfg, method="medusa")
     heads = int(params["w"].shape[0])

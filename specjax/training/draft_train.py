@@ -44,6 +44,7 @@ import numpy as np
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
+from specjax.drafters.draft_model import assemble, student_config  # pylint: disable=unused-import
 from specjax.training import eagle_train
 
 LOSSES = ("kl", "tv", "kl+tv")
@@ -75,29 +76,11 @@ def parse_init_layers(spec, target_layers: int, num_layers: int) -> tuple:
   return layers
 
 
-def student_config(cfg: ModelConfig, num_layers: int) -> ModelConfig:
-  return cfg.replace(num_layers=num_layers)
-
-
 def init_student(target_params, cfg: ModelConfig, layers: Sequence[int]) -> dict:
   """Trainable part of the draft model: copies of the target's `layers` and final norm."""
   copy = lambda x: jnp.array(x, dtype=jnp.float32)  # pylint: disable=unnecessary-lambda-assignment
   return {"layers": [jax.tree.map(copy, target_params["layers"][i]) for i in layers],
           "final_norm": copy(target_params["final_norm"])}
-
-
-def assemble(student: dict, target_params, cfg: ModelConfig) -> dict:
-  """Full draft-model params: the student's layers and norm + the target's
-  embedding (and untied LM head); arrays shared, cast to the target's dtype.
-  Extra entries of the student ("vocab", ...) are kept."""
-  dt = cfg.jnp_dtype
-  out = {k: v for k, v in student.items() if k not in ("layers", "final_norm", "vocab_rank")}
-  out["layers"] = [jax.tree.map(lambda x: x.astype(dt), l) for l in student["layers"]]
-  out["final_norm"] = student["final_norm"].astype(dt)
-  out["embed"] = target_params["embed"]
-  if not cfg.tie_embeddings:
-    out["lm_head"] = target_params["lm_head"]
-  return out
 
 
 def lm_weights(target_params, cfg: ModelConfig, vocab=None) -> jax.Array:

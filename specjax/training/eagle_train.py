@@ -98,7 +98,7 @@ class SeqPool:
     every run over the same data reuses them)."""
     if cache_dir:
       import hashlib, json, os  # pylint: disable=import-outside-toplevel,multiple-imports
-      from specjax.training import checkpoints  # pylint: disable=import-outside-toplevel
+      from specjax.io import checkpoints  # pylint: disable=import-outside-toplevel
       h = hashlib.sha1(json.dumps([checkpoints.target_fingerprint(params, cfg), cfg.dtype,
                                    seq_len, list(taps)]).encode())
       for ids, plen in sequences:

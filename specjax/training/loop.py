@@ -26,7 +26,7 @@ import optax
 
 from specjax import distributed
 from specjax.io import jsonl
-from specjax.training.checkpoints import CheckpointError
+from specjax.io.checkpoints import CheckpointError
 from specjax.training.state_store import StateStore, fault_point, tree_digest
 
 

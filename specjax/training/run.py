@@ -20,8 +20,8 @@ from specjax.drafters import eagle, medusa
 from specjax.io.load import Model, load_model
 from specjax.models import transformer
 from specjax.models.config import tiny_config
-from specjax.training import (checkpoints, distill_data, draft_train, eagle_train, loop,
-                              medusa_train)
+from specjax.io import checkpoints
+from specjax.training import distill_data, draft_train, eagle_train, loop, medusa_train
 
 TINY = "tiny"  # a small random target (tests): token prompts, no tokenizer
 

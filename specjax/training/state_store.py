@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint.path import atomicity
 
-from specjax.training.checkpoints import CheckpointError
+from specjax.io.checkpoints import CheckpointError
 
 FAULT_ENV = "SPECJAX_FAULT_AT"
 TRASH = "trash"
