@@ -9,8 +9,9 @@ tokens/s of each, measured in one run and interleaved (way A, way B, way A,
 
   static      autoregressive.generate on batches of `batch_size` prompts
               sorted by length: a batch runs until its longest answer ends
-  continuous  specjax.decoding.continuous: `batch_size` rows, a finished row
-              takes the next prompt
+  continuous  specjax.decoding.continuous, one run per prompt-length bucket
+              (its cache sized for the bucket): `batch_size` rows, a
+              finished row takes the next prompt
 
 each in float32 and bfloat16. Greedy answers; the first pass of each way
 compiles and is not timed.
@@ -47,10 +48,11 @@ def _continuous(model, prompts: Sequence[List[int]], batch_size: int, max_new_to
                 max_prompt_tokens: int):
   order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
   tokens = 0
-  for _, answer in continuous.generate(model.params, model.cfg,
-                                       ((i, prompts[i]) for i in order), batch_size=batch_size,
-                                       max_new_tokens=max_new_tokens,
-                                       max_prompt_tokens=max_prompt_tokens):
+  for _, answer in continuous.generate_bucketed(model.params, model.cfg,
+                                                ((i, prompts[i]) for i in order),
+                                                batch_size=batch_size,
+                                                max_new_tokens=max_new_tokens,
+                                                max_prompt_tokens=max_prompt_tokens):
     tokens += len(answer)
   return tokens
 

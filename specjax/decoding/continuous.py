@@ -200,3 +200,25 @@ def generate(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Sequence[in
     stats.row_steps += ran * batch_size
     stats.seconds = time.perf_counter() - t0
   stats.seconds = time.perf_counter() - t0
+
+
+def generate_bucketed(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Sequence[int]]],
+                      *, max_prompt_tokens: int, batch_size: int,
+                      **kwargs) -> Iterator[Tuple[int, List[int]]]:
+  """`generate` once per prompt-length bucket (powers of two up to
+  `max_prompt_tokens`), shortest bucket first, each with a cache sized for its
+  own bucket: every decode step reads the whole cache, so one cache sized for
+  the longest prompt makes short prompts pay for it (SmolLM2 f32, B = 8:
+  0.31 s/step with 448 slots, 0.47 s/step with 896). Requests are
+  materialised to be grouped; each keeps its id, so its tokens do not depend
+  on the bucket it ran in (up to the rounding of batched matmuls under
+  greedy decoding). Same arguments as `generate`."""
+  groups = {}
+  for req in requests:
+    width = min(batch_lib.prompt_bucket(len(req[1])), max_prompt_tokens)
+    groups.setdefault(width, []).append(req)
+  for width in sorted(groups):
+    reqs = sorted(groups[width], key=lambda r: len(r[1]))  # similar lengths refill together
+    yield from generate(params, cfg, reqs, max_prompt_tokens=width,
+                        batch_size=min(batch_size, len(reqs)), **kwargs)
+

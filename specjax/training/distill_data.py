@@ -129,16 +129,18 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
                      batch_size: int = 8, sample_fraction: float = 0.25,
                      temperature: float = 0.7, top_p: float = 0.9, valid_fraction: float = 0.05,
                      data_dir: str = DATA_DIR, model_name: str = "smollm2-135m",
-                     chunk_steps: int = 16,
+                     chunk_steps: int = 16, block_examples: int = 1024,
                      progress: Optional[Callable[[str], None]] = None) -> List[dict]:
   """Generate (or finish generating) the dataset at `path`; returns its records.
 
   Examples whose chat prompt exceeds `max_prompt_tokens` are skipped. Example
   n is answered with sampling (temperature / top_p) when a seeded coin says so
   (probability `sample_fraction`), else greedily. Answers are generated with
-  continuous batching (`specjax.decoding.continuous`: `batch_size` rows, a
-  finished row takes the next prompt) and appended as they finish; example n
-  is request n, so its answer does not depend on the batch it shared.
+  continuous batching (`specjax.decoding.continuous.generate_bucketed`:
+  `batch_size` rows, a finished row takes the next prompt, one cache size per
+  prompt-length bucket), `block_examples` examples at a time in the sources'
+  interleaved order, and appended as they finish; example n is request n, so
+  its answer does not depend on the batch it shared.
   """
   progress = progress or (lambda s: None)
   tok = model.tokenizer
@@ -147,44 +149,47 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
   coin = np.random.default_rng(seed).random(len(chosen))
   greedy = sampling_lib.GREEDY
   sampled = sampling_lib.SamplingConfig(temperature=temperature, top_p=top_p)
-  todo = {False: [], True: []}
+  todo = []
   for n, (eid, text) in enumerate(chosen):
     if eid in done:
       continue
     prompt = tok.encode_prompt(text)
     if len(prompt) > max_prompt_tokens:
       continue
-    todo[bool(coin[n] < sample_fraction)].append((n, eid, prompt))
-  total = sum(len(v) for v in todo.values())
+    todo.append((n, eid, prompt, bool(coin[n] < sample_fraction)))
+  total = len(todo)
   made, new_tokens, t0 = 0, 0, time.perf_counter()
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  for is_sampled, items in todo.items():
-    if not items:
-      continue
-    items.sort(key=lambda x: len(x[2]))  # similar lengths refill together: less padding
-    settings = sampled if is_sampled else greedy
-    by_n = {n: (eid, prompt) for n, eid, prompt in items}
-    answers = continuous.generate(
-        model.params, model.cfg, ((n, prompt) for n, _, prompt in items), key=seed,
-        sampling=settings, batch_size=min(batch_size, len(items)),
-        max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
-        chunk_steps=chunk_steps)
-    with open(path, "a") as f:
-      for n, answer in answers:
-        eid, prompt = by_n[n]
-        f.write(json.dumps({
-            "id": eid, "split": split_of(eid, valid_fraction), "prompt": prompt,
-            "answer": [int(t) for t in answer],
-            "sampling": {"temperature": settings.temperature, "top_k": settings.top_k,
-                         "top_p": settings.top_p},
-            "seed": seed, "model": model_name, "max_new_tokens": max_new_tokens}) + "\n")
-        f.flush()
-        made += 1
-        new_tokens += len(answer)
-        el = time.perf_counter() - t0
-        progress(f"distill data: {made}/{total} answers, {new_tokens} tokens, "
-                 f"{new_tokens / el:.1f} tokens/s, {el:.0f}s elapsed, "
-                 f"ETA {el / made * (total - made):.0f}s")
+  # Blocks of `block_examples` in the sources' interleaved order: a run
+  # stopped part way leaves a representative mix of sources and lengths.
+  for start in range(0, total, block_examples):
+    block = todo[start:start + block_examples]
+    for is_sampled in (False, True):
+      items = [x for x in block if x[3] == is_sampled]
+      if not items:
+        continue
+      settings = sampled if is_sampled else greedy
+      by_n = {n: (eid, prompt) for n, eid, prompt, _ in items}
+      answers = continuous.generate_bucketed(
+          model.params, model.cfg, ((n, prompt) for n, _, prompt, _ in items), key=seed,
+          sampling=settings, batch_size=batch_size, max_new_tokens=max_new_tokens,
+          max_prompt_tokens=max_prompt_tokens, chunk_steps=chunk_steps)
+      with open(path, "a") as f:
+        for n, answer in answers:
+          eid, prompt = by_n[n]
+          f.write(json.dumps({
+              "id": eid, "split": split_of(eid, valid_fraction), "prompt": prompt,
+              "answer": [int(t) for t in answer],
+              "sampling": {"temperature": settings.temperature, "top_k": settings.top_k,
+                           "top_p": settings.top_p},
+              "seed": seed, "model": model_name, "max_new_tokens": max_new_tokens}) + "\n")
+          f.flush()
+          made += 1
+          new_tokens += len(answer)
+          el = time.perf_counter() - t0
+          progress(f"distill data: {made}/{total} answers, {new_tokens} tokens, "
+                   f"{new_tokens / el:.1f} tokens/s, {el:.0f}s elapsed, "
+                   f"ETA {el / made * (total - made):.0f}s")
   return read_records(path)
 
 
