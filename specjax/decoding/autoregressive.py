@@ -107,8 +107,10 @@ def prefill(params, cfg: ModelConfig, keys, prompt_tokens, prompt_lengths, limit
   b, t = prompt_tokens.shape
   cache = cache_lib.init_cache(cfg, b, num_slots)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  # (prefill is shared by AR and speculative runs: never the batch-invariant form)
   logits, hidden, cache = transformer.forward(params, cfg, prompt_tokens, positions, cache,
-                                              hidden_layers=hidden_layers or ())
+                                              hidden_layers=hidden_layers or (),
+                                              batch_invariant=False)
   cache = cache.with_length(prompt_lengths)
   first_logits = first_token_logits(logits, prompt_lengths)
   first = sample_rows(batch_lib.purpose_keys(keys, batch_lib.PREFILL_SAMPLE), first_logits,

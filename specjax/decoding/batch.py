@@ -26,6 +26,10 @@ ACCEPT = 3
 
 # Cache sizes are multiples of this; with widths bucketed, few distinct shapes.
 SLOT_MULTIPLE = 16
+# With `ModelConfig.batch_invariant`, every run reserves this many slots past
+# its answer for a forward block, whatever its own block: the attention's
+# reduction over slots then has the same length in AR and speculative runs.
+INVARIANT_BLOCK = 64
 
 
 def prompt_bucket(length: int, minimum: int = 8) -> int:
@@ -64,6 +68,8 @@ def cache_size(cfg: ModelConfig, prompt_width: int, max_prompt_len: int,
   """
   if max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if cfg.batch_invariant:  # AR (block 1) and speculative runs get the same cache size
+    block = max(block, INVARIANT_BLOCK)
   limit = cfg.max_seq_len if requested is None else int(requested)
   check_capacity(limit, max_prompt_len, max_new_tokens, block)
   need = prompt_width + max_new_tokens + block

@@ -23,7 +23,7 @@ class Model:
 
 
 def load_model(name_or_path: str, dtype: Optional[str] = None,
-               tokenizer_from: Optional[str] = None) -> Model:
+               tokenizer_from: Optional[str] = None, batch_invariant: bool = False) -> Model:
   """Load a model offline.
 
   Args:
@@ -33,6 +33,8 @@ def load_model(name_or_path: str, dtype: Optional[str] = None,
     tokenizer_from: model name or GGUF path to take the tokenizer from when
       the weights come from an HF directory (specjax reads tokenizers from GGUF
       metadata only).
+    batch_invariant: decode-time forwards computed bit for bit independently
+      of the block a row is in (`ModelConfig.batch_invariant`).
   """
   dtype = dtype or "float32"
   if dtype not in ("float32", "bfloat16"):
@@ -41,11 +43,13 @@ def load_model(name_or_path: str, dtype: Optional[str] = None,
     from specjax.io import hf  # pylint: disable=import-outside-toplevel
 
     params, cfg = hf.load_hf(name_or_path, dtype=dtype)
+    cfg = cfg.replace(batch_invariant=bool(batch_invariant))
     tok = tokenizer_lib.load_tokenizer(tokenizer_from) if tokenizer_from else None
     return Model(params, cfg, tok, name_or_path)
   path = gguf_io.resolve_model_path(name_or_path)
   reader = gguf_io.open_gguf(path)
-  cfg = gguf_io.read_config(reader, path).replace(dtype=dtype)
+  cfg = gguf_io.read_config(reader, path).replace(dtype=dtype,
+                                                  batch_invariant=bool(batch_invariant))
   tok = tokenizer_lib.tokenizer_from_gguf(reader, path)
   params = gguf_io.load_params(reader, cfg, path)
   return Model(params, cfg, tok, path)

@@ -31,6 +31,11 @@ class ModelConfig:
   # Parameter / activation dtype name ("float32" or "bfloat16"); matmuls always
   # accumulate in float32.
   dtype: str = "float32"
+  # Decode-time forwards (AR steps, verify blocks, trees) computed so that a
+  # row's result is bit for bit independent of the block it is in
+  # (`specjax.models.invariant`): greedy speculative decoding then equals
+  # greedy AR token for token. Opt-in; slower.
+  batch_invariant: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads",

@@ -26,8 +26,11 @@ from typing import Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
+from specjax.models import invariant as invariant_lib
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
+from specjax.models.layers import embed, rms_norm, rope  # pylint: disable=unused-import
+from specjax.models.layers import write_cache as _write
 
 Params = dict
 
@@ -98,22 +101,6 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
                     preferred_element_type=jnp.float32)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  x = x.astype(jnp.float32)
-  return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * scale.astype(jnp.float32)
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding, rotate-half layout. x: (B, T, H, Dh); positions: (B, T)."""
-  half = x.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, Dh/2)
-  cos = jnp.cos(angles)[:, :, None, :]
-  sin = jnp.sin(angles)[:, :, None, :]
-  x1, x2 = x[..., :half], x[..., half:]
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
 def attention_mask(length: jax.Array, num_new: int, num_slots: int,
                    mask: Optional[jax.Array] = None) -> jax.Array:
   """Which cache slots each new token may attend to: (B, T, S) bool.
@@ -139,19 +126,6 @@ def attention_mask(length: jax.Array, num_new: int, num_slots: int,
   return (rel < 0) | (in_new & new_ok)
 
 
-def _write(cache_arr: jax.Array, new: jax.Array, start: jax.Array,
-           active: Optional[jax.Array]) -> jax.Array:
-  """Scatter new (B, T, G, Dh) into slots start[b] + t. Inactive rows and
-  out-of-range slots are dropped, never clamped onto valid entries."""
-  b, t = new.shape[:2]
-  s = cache_arr.shape[1]
-  slot = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-  if active is not None:
-    slot = jnp.where(active[:, None], slot, s)
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  return cache_arr.at[rows, slot].set(new.astype(cache_arr.dtype), mode="drop")
-
-
 def _attention(q, k, v, allowed, cfg: ModelConfig):
   """q: (B, T, H, Dh); k, v: (B, S, G, Dh); allowed: (B, T, S) -> (B, T, H*Dh)."""
   b, t = q.shape[:2]
@@ -164,17 +138,6 @@ def _attention(q, k, v, allowed, cfg: ModelConfig):
   out = jnp.einsum("bgrts,bsgd->btgrd", weights.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.reshape(b, t, cfg.num_heads * cfg.head_dim)
-
-
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
-  table = params["embed"]
-  if table.dtype == jnp.bfloat16:
-    # Gather the raw 16-bit rows. A plain take-then-convert lets XLA rewrite
-    # it into take(convert(table)) and share that full float32 copy with the
-    # tied LM head, which then materialises 113 MB per step (~65 ms on CPU).
-    rows = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), tokens, axis=0)
-    return jax.lax.bitcast_convert_type(rows, jnp.bfloat16).astype(jnp.float32)
-  return jnp.take(table, tokens, axis=0).astype(jnp.float32)
 
 
 def lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
@@ -194,6 +157,7 @@ def forward(
     layers: Optional[Sequence[int]] = None,
     hidden_layers: Sequence[int] = (),
     compute_logits: bool = True,
+    batch_invariant: Optional[bool] = None,
 ) -> Tuple[Optional[jax.Array], jax.Array, KVCache]:
   """Run T new tokens per row against the cache.
 
@@ -216,11 +180,19 @@ def forward(
       (index `num_layers` meaning the final normed state), concatenated on the
       last axis: (B, T, len(hidden_layers) * D).
     compute_logits: static; skip the LM head (feature extraction for training).
+    batch_invariant: static; run the batch-invariant formulation
+      (`specjax.models.invariant`: each row's result bit for bit independent
+      of the block it is in). Default `cfg.batch_invariant`; prefill passes
+      False (it is shared by AR and speculative runs, and long).
 
   Returns:
     (logits (B, T, V) float32 or None, hidden, new cache with length advanced
     by T on active rows).
   """
+  if cfg.batch_invariant if batch_invariant is None else batch_invariant:
+    return invariant_lib.forward(params, cfg, tokens, positions, cache, mask, active=active,
+                                 layers=layers, hidden_layers=hidden_layers,
+                                 compute_logits=compute_logits)
   b, t = tokens.shape
   length = cache.length
   allowed = attention_mask(length, t, cache.num_slots, mask)

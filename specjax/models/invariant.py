@@ -1,0 +1,176 @@
+"""A batch-invariant decode forward: every row's result is bit for bit the
+same whatever block it is computed in.
+
+`transformer.forward` picks XLA's fastest formulation for each shape: one
+float32 row takes GEMV, 2-16 rows a fused multiply + reduction, more rows a
+GEMM, and the attention einsums change shape with the block width. Each
+rounds differently, so a (k + 1)-token verify block and k + 1 one-token AR
+steps agree only up to ~1e-4 in float32 (more in bfloat16), and greedy
+speculative decoding may pick the other of two near-tied tokens.
+
+With `ModelConfig.batch_invariant`, decode-time forwards (AR steps, chain and
+tree verification; prefill excluded, it is shared) run here instead:
+
+* the B x T new tokens are flattened to rows and padded to whole tiles of
+  `TILE` rows; every row-wise computation runs tile by tile in a loop whose
+  trip count XLA cannot see (so one compiled body serves every width, and a
+  one-tile block is not inlined and re-fused differently);
+* every matmul is the same multiply + reduction over a (TILE, D) tile (never
+  GEMV or GEMM by row count); the weights are read once per tile;
+* attention gives every query row its own view of the cache: the committed
+  prefix at its own slots, then the block tokens it may see, in the order of
+  their positions, at consecutive slots (a tree node sees its ancestors laid
+  out by depth, exactly where one-token AR steps along that path would have
+  put them); slots past that are masked. With the same cache size (the loop
+  sizes AR and speculative caches alike in this mode) the reduction over
+  slots sees the same values in the same places as AR does.
+
+Rows are computed symmetrically within a tile, so a row's result depends on
+its own inputs only. Verified bit for bit in float32 and bfloat16 by
+`tests/test_batch_invariant.py` (verify widths 1..17 and a tree against
+one-token steps; a negative control without the setting).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.cache import KVCache
+from specjax.models import layers as L
+from specjax.models.config import ModelConfig
+
+TILE = 8  # rows per tile: bf16's reduction form is exact up to 8 rows on XLA CPU
+
+
+def _tiled(f, *xs):
+  """f over tiles: xs (n, TILE, ...) -> stacked outputs, in a loop of n trips
+  that XLA can neither unroll nor inline (the trip count passes an
+  optimization barrier), so the body is one program for every n."""
+  n = xs[0].shape[0]
+  shapes = jax.eval_shape(f, *[x[0] for x in xs])
+  outs = jax.tree.map(lambda s: jnp.zeros((n,) + s.shape, s.dtype), shapes)
+  trips = jax.lax.optimization_barrier(jnp.int32(n))
+
+  def body(i, acc):
+    y = f(*[jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs])
+    return jax.tree.map(lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, 0), acc, y)
+
+  return jax.lax.fori_loop(0, trips, body, outs)
+
+
+def dot(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x (TILE, D) @ w^T, w stored (F, D): the multiply + reduction form, float32
+  accumulation; x rounded to the weight dtype as the plain product does."""
+  xf = x.astype(w.dtype).astype(jnp.float32)
+  y = jnp.sum(w.astype(jnp.float32)[:, None, :] * xf[None, :, :], axis=-1)  # (F, TILE)
+  return y.T
+
+
+def _views(length, positions, block_mask, num_slots: int):
+  """Per query row (B, T): which cache slot each slot of its view reads, and
+  whether it is visible. Slot s < length: itself. Slot length + r: the block
+  token of rank r among those the query sees (ranked by position). -> (src
+  (B, T, S) int32, visible (B, T, S) bool)."""
+  b, t = positions.shape
+  if block_mask is None:
+    block_mask = jnp.tril(jnp.ones((t, t), bool))
+  block_mask = jnp.broadcast_to(block_mask, (b, t, t))
+  earlier = positions[:, None, :] < positions[:, :, None]  # (B, Tj, Tm): pos m < pos j
+  # rank[b, q, j]: visible block tokens of query q placed before token j
+  rank = jnp.sum(block_mask[:, :, None, :] & earlier[:, None, :, :], axis=-1)  # (B, Tq, Tj)
+  slots = jnp.arange(num_slots, dtype=jnp.int32)
+  r = slots[None, None, :] - length[:, None, None]  # (B, 1, S)
+  # which block token sits at view slot length + r
+  hit = block_mask[:, :, None, :] & (rank[:, :, None, :] == r[..., None])  # (B, Tq, S, Tj)
+  found = jnp.any(hit, axis=-1)
+  j = jnp.argmax(hit, axis=-1).astype(jnp.int32)
+  src = jnp.where(r < 0, slots[None, None, :], length[:, None, None] + j)
+  visible = (r < 0) | found
+  return jnp.clip(src, 0, num_slots - 1), visible
+
+
+def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+            mask: Optional[jax.Array] = None, *, active: Optional[jax.Array] = None,
+            layers: Optional[Sequence[int]] = None, hidden_layers: Sequence[int] = (),
+            compute_logits: bool = True):
+  """`transformer.forward`'s contract, computed batch-invariantly (see above)."""
+  b, t = tokens.shape
+  s = cache.num_slots
+  length = cache.length
+  rows = b * t
+  n_tiles = -(-rows // TILE)
+  pad = n_tiles * TILE - rows
+  hq, hkv, dh, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
+  scale = dh ** -0.5
+
+  def tiles(x):  # (B, T, ...) -> (n, TILE, ...)
+    x = x.reshape((rows,) + x.shape[2:])
+    x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
+    return x.reshape((n_tiles, TILE) + x.shape[1:])
+
+  def untile(x):  # (n, TILE, ...) -> (B, T, ...)
+    return x.reshape((n_tiles * TILE,) + x.shape[2:])[:rows].reshape((b, t) + x.shape[2:])
+
+  src, visible = _views(length, positions, mask, s)
+  row_of = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+  src_t, vis_t, row_t, pos_t = tiles(src), tiles(visible), tiles(row_of), tiles(positions)
+  x = tiles(L.embed(params, tokens))  # (n, TILE, D) float32
+  run = range(cfg.num_layers) if layers is None else tuple(layers)
+  taps = {}
+  new_k, new_v = list(cache.k), list(cache.v)
+  for i in run:
+    p = params["layers"][i]
+
+    def qkv_tile(x, pos, p=p):
+      h = L.rms_norm(x, p["attn_norm"], cfg.norm_eps)
+      qkv = dot(h, p["wqkv"])
+      q = qkv[:, :hq * dh].reshape(TILE, 1, hq, dh)
+      k = qkv[:, hq * dh:(hq + hkv) * dh].reshape(TILE, 1, hkv, dh)
+      v = qkv[:, (hq + hkv) * dh:].reshape(TILE, 1, hkv, dh)
+      q = L.rope(q, pos[:, None], cfg.rope_theta)[:, 0]
+      k = L.rope(k, pos[:, None], cfg.rope_theta)[:, 0]
+      return q, k, v[:, 0]
+
+    q, k, v = _tiled(qkv_tile, x, pos_t)
+    new_k[i] = L.write_cache(cache.k[i], untile(k), length, active)
+    new_v[i] = L.write_cache(cache.v[i], untile(v), length, active)
+    ck, cv = new_k[i], new_v[i]
+
+    def attn_mlp_tile(x, q, src, vis, row, p=p, ck=ck, cv=cv):
+      kk = ck[row[:, None], src]  # (TILE, S, G, Dh): each query row's own view
+      vv = cv[row[:, None], src]
+      qg = q.reshape(TILE, hkv, g, dh)
+      sc = jnp.einsum("pgrd,psgd->pgrs", qg.astype(kk.dtype), kk,
+                      preferred_element_type=jnp.float32) * scale
+      sc = jnp.where(vis[:, None, None, :], sc, -jnp.inf)
+      w = jax.nn.softmax(sc, axis=-1)
+      o = jnp.einsum("pgrs,psgd->pgrd", w.astype(vv.dtype), vv,
+                     preferred_element_type=jnp.float32).reshape(TILE, hq * dh)
+      x = x + dot(o, p["wo"])
+      h = L.rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+      gate, up = jnp.split(dot(h, p["w_gate_up"]), 2, axis=-1)
+      return x + dot(jax.nn.silu(gate) * up, p["w_down"])
+
+    x = _tiled(attn_mlp_tile, x, q, src_t, vis_t, row_t)
+    taps[i] = x
+
+  def final_tile(x):
+    return L.rms_norm(x, params["final_norm"], cfg.norm_eps)
+
+  final = _tiled(final_tile, x)
+  taps[cfg.num_layers] = final
+  if hidden_layers:
+    hidden = jnp.concatenate([untile(taps[i]) for i in hidden_layers], axis=-1)
+  else:
+    hidden = untile(final)
+  logits = None
+  if compute_logits:
+    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+    logits = untile(_tiled(lambda h: dot(h, head), final))
+  step = jnp.full((b,), t, jnp.int32)
+  if active is not None:
+    step = jnp.where(active, step, 0)
+  return logits, hidden, KVCache(k=tuple(new_k), v=tuple(new_v), length=length + step)
