@@ -62,6 +62,7 @@ from specjax import distributed
 from specjax import sampling as sampling_lib
 from specjax import sharding
 from specjax.analysis import calibration as calibration_lib
+from specjax.analysis import greedy_identity
 from specjax.analysis import theory
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import batch as batch_lib
@@ -81,7 +82,7 @@ TURN_IDS = 16
 SETTINGS = ("model", "dtype", "k", "temperature", "top_k", "top_p", "batch_size",
             "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model",
             "checkpoint", "draft_vocab", "tree_nodes", "tree_mode", "tree_topk", "tree_width",
-            "draft_stop", "mesh")
+            "draft_stop", "mesh", "batch_invariant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +172,8 @@ def unit_id(unit: Sequence[Question]) -> str:
 def slot_bucket(cfg, prompt_width: int, max_new_tokens: int, block: int) -> int:
   """Cache slots as a function of the (bucketed) prompt width only: one compile
   per bucket instead of one per prompt length."""
+  if cfg.batch_invariant:  # AR and speculative runs: the same cache size
+    block = max(block, batch_lib.INVARIANT_BLOCK)
   return min(round_up(prompt_width + max_new_tokens + block, batch_lib.SLOT_MULTIPLE),
              max(cfg.max_seq_len, prompt_width))
 
@@ -194,6 +197,16 @@ class Engine:
     self.seen = set()
     self.compile_s = 0.0
     self.runs = 0
+    self._delta = None
+
+  def near_tie_delta(self, prompt, continuation) -> float:
+    """10x the measured max difference between a verify block's logits and
+    one-token steps on this model (measured once, on the first divergence)."""
+    if self._delta is None:
+      diff = greedy_identity.block_vs_step_difference(self.params, self.model.cfg, prompt,
+                                                      list(continuation[:5]))
+      self._delta = 10 * max(diff, 1e-6)
+    return self._delta
 
   def run(self, drafter, draft_params, prompts, request_ids):
     cfg = self.model.cfg
@@ -319,7 +332,11 @@ def _run_unit(engine: Engine, c, unit, methods: Sequence[str], ar_done: Optional
           built[m] = registry.make_drafter(m, c, model, sampling=engine.sampling, reference=ref,
                                            reference_width=engine.max_new)
         note(m, t, r)
-        _add(recs[m], r, engine.run(*built[m], prompts, ids), ref, eos)
+        res = engine.run(*built[m], prompts, ids)
+        _add(recs[m], r, res, ref, eos)
+        if r == 0 and engine.sampling.greedy:
+          recs[m].setdefault("divergences", []).extend(
+              _divergences(engine, prompts, ref, res.tokens, eos, [q // TURN_IDS for q in ids]))
     texts = [tok.decode(x, skip_special_tokens=True) for x in ref]
     recs["ar"]["answers"].append(texts)
     for j, i in enumerate(rows):
@@ -328,6 +345,33 @@ def _run_unit(engine: Engine, c, unit, methods: Sequence[str], ar_done: Optional
     if not engine.sampling.greedy:
       recs[m]["identical"] = None
   return [recs[m] for m in methods] + ([] if ar_done else [recs["ar"]])
+
+
+def _identity(r) -> str:
+  """'True', or 'False (n rows; m at a near-tie)', or '-' when sampling."""
+  if r["greedy_identical"] is None:
+    return "-"
+  if r["greedy_identical"] or r.get("divergent_rows") is None:
+    return str(r["greedy_identical"])
+  return f"False ({r['divergent_rows']} rows; {r['near_tie_rows']} at a near-tie)"
+
+
+def _divergences(engine, prompts, ref, tokens, eos, question_ids) -> List[dict]:
+  """Rows whose greedy output differs from AR's: the first differing position
+  and AR's top-1 minus top-2 logit gap there (teacher forced), and whether
+  that is a near-tie: a gap below 10x the measured difference between a verify
+  block's logits and one-token steps (`greedy_identity`)."""
+  out = []
+  for prompt, a, b, qid in zip(prompts, ref, tokens, question_ids):
+    a, b = _upto_eos(a, eos), _upto_eos(b, eos)
+    if a == b:
+      continue
+    pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    gap = (greedy_identity.top_gap(engine.params, engine.model.cfg, prompt, a, pos)
+           if pos < min(len(a), len(b)) else None)
+    out.append({"question_id": qid, "position": pos, "gap": gap,
+                "near_tie": gap is not None and gap < engine.near_tie_delta(prompt, a)})
+  return out
 
 
 def _add(rec, r, res, ref, eos=None):
@@ -432,6 +476,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
         if math.isfinite(sb):
           pred.update(best_k=kb, best_k_predicted=sb)
       ident = [r["identical"] for r in rs]
+      divs = [d for r in rs for d in r.get("divergences", [])]
       out.append({
           "method": m, "category": cat,
           "speedup": _ratio(tps, ar_tps), "speedup_iqr": _quartiles(per_q),
@@ -439,6 +484,9 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
           "alpha": _ratio(st["accepted"], st["proposed"]),
           "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
           "greedy_identical": None if None in ident else all(ident),
+          # rows that differ from AR, and how many of them first differ at a near-tie
+          "divergent_rows": len(divs) if None not in ident else None,
+          "near_tie_rows": sum(d["near_tie"] for d in divs) if None not in ident else None,
           "num_prompts": sum(len(r["question_ids"]) for r in rs),
           # per row-round; with batch_size > 1 an approximation (rows run different rounds)
           "ms_per_round": (sum(dec) / st["rounds"] * int(meta["batch_size"]) * 1e3
@@ -496,7 +544,7 @@ def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> st
         f"{_fmt(r.get('ms_per_round'), '{:.1f}')} | {pct(r.get('draft_frac'))} | "
         f"{pct(r.get('narrow_frac'))} | "
         f"{_fmt(r['tokens_per_s'], '{:.1f}')} | {_fmt(r['ar_tokens_per_s'], '{:.1f}')} | "
-        f"{'-' if r['greedy_identical'] is None else r['greedy_identical']} |")
+        f"{_identity(r)} |")
   if extra:
     lines += ["", ", ".join(f"{k}: {v}" for k, v in extra.items())]
   return "\n".join(lines) + "\n"
@@ -549,7 +597,10 @@ def hardware() -> dict:
 
 
 def _settings(c) -> dict:
-  return {k: (c[k] if k in c else None) for k in SETTINGS}
+  out = {k: (c[k] if k in c else None) for k in SETTINGS}
+  if not out["batch_invariant"]:  # off: records match those written before the setting existed
+    del out["batch_invariant"]
+  return out
 
 
 def read_log(path: str) -> List[dict]:
@@ -671,7 +722,7 @@ def run_benchmark(c, model: Optional[Model] = None,
   t_work = time.perf_counter()
   for n, unit in enumerate(todo):
     if engine is None:
-      model = model or load_model(c.model, c.dtype)
+      model = model or load_model(c.model, c.dtype, batch_invariant=c.get("batch_invariant", False))
       engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed),
                       mesh=sharding.mesh_from_config(c))
     missing = [m for m in methods if (unit_id(unit), m) not in done]
@@ -719,7 +770,8 @@ def run_benchmark(c, model: Optional[Model] = None,
     calib = _read_calibration(calib_path)
     missing = [m for m in methods if m not in calib]
     if missing and primary:
-      model = model or (engine.model if engine else load_model(c.model, c.dtype))
+      model = model or (engine.model if engine else load_model(
+          c.model, c.dtype, batch_invariant=c.get("batch_invariant", False)))
       progress("calibrating: forward cost t_verify(n) and each drafter's proposal cost")
       calib.update(calibrate(model, c, missing, units[0], sampling))
       with open(calib_path, "w") as f:

@@ -1,0 +1,44 @@
+"""Batch-invariant decoding: its cost (AR tok/s and t_verify(k + 1), both modes
+interleaved) and greedy speculative == greedy AR token for token with it on
+(specjax.benchmarks.invariance).
+
+  python experiments/invariance.py --config=configs/invariance.py --config.out=/tmp/inv
+  python experiments/invariance.py --config=configs/invariance.py:quick   # cost, seconds
+  python experiments/invariance.py --config=configs/invariance.py:small   # identity, 1 question per category
+"""
+
+import os
+
+import ml_collections
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPEC_BENCH = os.path.normpath(os.path.join(_REPO, os.pardir, "shared", "data", "spec_bench",
+                                           "question_excl_mtbench.jsonl"))
+
+
+def get_config(arg=None):
+  c = ml_collections.ConfigDict()
+  c.model = "smollm2-135m"
+  c.dtypes = "float32,bfloat16"
+  c.parts = "cost,identity"
+  # cost
+  c.prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+  c.max_new_tokens = 64
+  c.k = 4
+  c.repeats = 4
+  c.verify_calls = 20
+  # identity: every drafter, chains and trees, on the headline prompt set
+  c.prompts = SPEC_BENCH
+  c.prompt_limit = 10  # the first N questions of each category
+  c.batch_size = 10
+  c.methods = ("prompt_lookup,layer_skip,draft_model,medusa,blockwise,eagle,eagle3,lookahead,"
+               "replay,medusa_tree,eagle_tree,eagle3_tree,lookahead_tree")
+  c.out = ""
+  if arg == "quick":
+    c.parts, c.repeats, c.verify_calls, c.max_new_tokens = "cost", 1, 3, 8
+  elif arg == "small":  # identity on one question per category, 32 tokens
+    c.parts, c.prompt_limit, c.batch_size, c.max_new_tokens = "identity", 1, 1, 32
+  elif arg:
+    raise ValueError(f"unknown variant {arg!r} of configs/invariance.py (known: quick, small)")
+  c.lock()
+  return c

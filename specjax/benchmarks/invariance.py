@@ -1,0 +1,157 @@
+"""Batch-invariant decoding (`ModelConfig.batch_invariant`): what it costs and
+what it buys.
+
+Cost, side by side in one process, each precision, the two modes interleaved
+over repeats (so both see the same machine load):
+
+  AR tok/s       greedy B = 1 decode of `max_new_tokens` tokens (prefill apart)
+  t_verify(k+1)  one chain verify forward of k + 1 tokens after the prompt,
+                 median over `verify_calls` calls
+
+What it buys: with the setting on, greedy speculative decoding must equal
+greedy AR token for token, no near-tie allowance. For each precision and each
+method, the first `prompt_limit` Spec-Bench questions of every category (by
+question_id) are answered by AR and by the method, `batch_size` questions
+decoded together, and every output is compared with AR's exactly; the
+default mode runs beside it as the control (divergences expected).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.benchmarks import specbench
+from specjax.decoding import autoregressive as ar
+from specjax.decoding import speculative as sp
+from specjax.drafters import registry
+from specjax.io.load import load_model
+from specjax.models import cache as cache_lib
+from specjax.models import transformer
+
+
+def _verify_timer(model, k: int, prompt_len: int, calls: int) -> Callable[[], float]:
+  cfg = model.cfg
+  fwd = jax.jit(transformer.forward, static_argnames=("cfg", "batch_invariant"))
+  cache = cache_lib.init_cache(cfg, 1, cache_lib.round_up(prompt_len + 128, 16))
+  prompt = jnp.full((1, prompt_len), 100, jnp.int32)
+  _, _, cache = fwd(model.params, cfg, prompt, transformer.chain_positions(cache, prompt_len),
+                    cache, batch_invariant=False)
+  block = jnp.full((1, k + 1), 200, jnp.int32)
+  pos = transformer.chain_positions(cache, k + 1)
+  fwd(model.params, cfg, block, pos, cache)[0].block_until_ready()
+
+  def once() -> float:
+    times = []
+    for _ in range(calls):
+      t0 = time.perf_counter()
+      fwd(model.params, cfg, block, pos, cache)[0].block_until_ready()
+      times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+  return once
+
+
+def cost(c, progress: Callable[[str], None]) -> List[dict]:
+  rows = []
+  for dtype in [d for d in c.dtypes.split(",") if d]:
+    models = {inv: load_model(c.model, dtype, batch_invariant=inv) for inv in (False, True)}
+    prompt = models[False].tokenizer.encode_prompt(c.prompt)
+    timers = {inv: _verify_timer(m, c.k, len(prompt), c.verify_calls)
+              for inv, m in models.items()}
+    for m in models.values():  # compile (every run decodes max_new_tokens: no EOS)
+      ar.generate(m.params, m.cfg.replace(eos_id=-1), [prompt], max_new_tokens=c.max_new_tokens)
+    tps = {False: [], True: []}
+    tv = {False: [], True: []}
+    for r in range(c.repeats):
+      for inv in (False, True) if r % 2 == 0 else (True, False):
+        m = models[inv]
+        res = ar.generate(m.params, m.cfg.replace(eos_id=-1), [prompt],
+                          max_new_tokens=c.max_new_tokens)
+        tps[inv].append((res.num_new_tokens - 1) / res.decode_s)
+        tv[inv].append(timers[inv]())
+      progress(f"{dtype} repeat {r + 1}/{c.repeats}")
+    for inv in (False, True):
+      rows.append({"dtype": dtype, "batch_invariant": inv,
+                   "ar_tokens_per_s": statistics.median(tps[inv]),
+                   "t_verify_ms": 1e3 * statistics.median(tv[inv]),
+                   "ar_ratio": statistics.median(tps[inv]) / statistics.median(tps[False]),
+                   "t_verify_ratio": statistics.median(tv[inv]) / statistics.median(tv[False])})
+  return rows
+
+
+def identity(c, progress: Callable[[str], None]) -> List[dict]:
+  questions = specbench.load_questions(c.prompts, c.prompt_limit)
+  by_cat: Dict[str, list] = {}
+  for q in sorted(questions, key=lambda q: q.question_id):
+    by_cat.setdefault(q.category, []).append(q)
+  rows = []
+  methods = [m for m in c.methods.split(",") if m]
+  for dtype in [d for d in c.dtypes.split(",") if d]:
+    for inv in (True, False):
+      model = load_model(c.model, dtype, batch_invariant=inv)
+      tok = model.tokenizer
+      counts = {m: {"rows": 0, "identical": 0, "first_divergence": []} for m in methods}
+      for cat, qs in sorted(by_cat.items()):
+        for i in range(0, len(qs), c.batch_size):
+          unit = qs[i:i + c.batch_size]
+          prompts = [tok.encode_prompt(q.turns[0]) for q in unit]
+          ref = ar.generate(model.params, model.cfg, prompts,
+                            max_new_tokens=c.max_new_tokens).tokens
+          for m in methods:
+            drafter, dparams = registry.make_drafter(
+                m, {"k": c.k}, model, sampling=sampling_lib.GREEDY, reference=ref,
+                reference_width=c.max_new_tokens)
+            got = sp.generate(model.params, model.cfg, drafter, prompts, draft_params=dparams,
+                              max_new_tokens=c.max_new_tokens).tokens
+            for q, a, b in zip(unit, ref, got):
+              counts[m]["rows"] += 1
+              if a == b:
+                counts[m]["identical"] += 1
+              else:
+                pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
+                           min(len(a), len(b)))
+                counts[m]["first_divergence"].append((q.question_id, pos))
+          progress(f"{dtype} invariant={inv} {cat} {i + len(unit)}/{len(qs)}")
+      for m in methods:
+        rows.append({"dtype": dtype, "batch_invariant": inv, "method": m, **counts[m]})
+  return rows
+
+
+def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]], c) -> str:
+  out = []
+  if cost_rows:
+    out += ["Cost of batch invariance (SmolLM2-135M, B = 1, greedy; the two modes "
+            f"interleaved, {c.repeats} repeats, medians; k = {c.k}).", "",
+            "| dtype | batch_invariant | AR tok/s | vs default | t_verify(k+1) ms | vs default |",
+            "|---|---|---|---|---|---|"]
+    for r in cost_rows:
+      out.append(f"| {r['dtype']} | {r['batch_invariant']} | {r['ar_tokens_per_s']:.1f} | "
+                 f"{r['ar_ratio']:.2f}x | {r['t_verify_ms']:.1f} | {r['t_verify_ratio']:.2f}x |")
+  if identity_rows:
+    out += ["", f"Greedy speculative output vs greedy AR, token for token ({c.max_new_tokens} "
+            f"new tokens, the first {c.prompt_limit} Spec-Bench questions per category, "
+            f"batch {c.batch_size}, k = {c.k}):", "",
+            "| dtype | batch_invariant | method | identical rows | first divergences "
+            "(question, position) |", "|---|---|---|---|---|"]
+    for r in identity_rows:
+      div = ", ".join(f"{q}@{p}" for q, p in r["first_divergence"][:6])
+      more = len(r["first_divergence"]) - 6
+      out.append(f"| {r['dtype']} | {r['batch_invariant']} | {r['method']} | "
+                 f"{r['identical']}/{r['rows']} | {div}{f' (+{more})' if more > 0 else ''} |")
+  return "\n".join(out) + "\n"
+
+
+def run(c, progress: Optional[Callable[[str], None]] = None) -> Dict:
+  progress = progress or (lambda s: print(s, flush=True))
+  parts = [p for p in c.parts.split(",") if p]
+  cost_rows = cost(c, progress) if "cost" in parts else None
+  identity_rows = identity(c, progress) if "identity" in parts else None
+  return {"cost": cost_rows, "identity": identity_rows,
+          "markdown": markdown(cost_rows, identity_rows, c)}
