@@ -140,8 +140,10 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
     ck, cv = new_k[i], new_v[i]
 
     def attn_mlp_tile(x, q, src, vis, row, p=p, ck=ck, cv=cv):
-      kk = ck[row[:, None], src]  # (TILE, S, G, Dh): each query row's own view
-      vv = cv[row[:, None], src]
+      if mask is None:  # a chain: every query's view is its row's cache as it is
+        kk, vv = ck[row], cv[row]  # (TILE, S, G, Dh)
+      else:  # each query row's own view (a tree node: its ancestors by depth)
+        kk, vv = ck[row[:, None], src], cv[row[:, None], src]
       qg = q.reshape(TILE, hkv, g, dh)
       sc = jnp.einsum("pgrd,psgd->pgrs", qg.astype(kk.dtype), kk,
                       preferred_element_type=jnp.float32) * scale
