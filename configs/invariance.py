@@ -7,13 +7,16 @@ interleaved) and greedy speculative == greedy AR token for token with it on
   python experiments/invariance.py --config=configs/invariance.py:small   # identity, 1 question per category
 """
 
+import importlib.util
 import os
 
 import ml_collections
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC_BENCH = os.path.normpath(os.path.join(_REPO, os.pardir, "shared", "data", "spec_bench",
-                                           "question_excl_mtbench.jsonl"))
+_spec = importlib.util.spec_from_file_location(
+    "benchmark_config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark.py"))
+_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_bench)
+SPEC_BENCH = _bench.SPEC_BENCH  # the Spec-Bench questions (without MT-Bench)
 
 
 def get_config(arg=None):
