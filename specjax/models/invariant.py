@@ -75,13 +75,14 @@ def _views(length, positions, block_mask, num_slots: int):
   token of rank r among those the query sees (ranked by position). -> (src
   (B, T, S) int32, visible (B, T, S) bool)."""
   b, t = positions.shape
-  if block_mask is None:
-    block_mask = jnp.tril(jnp.ones((t, t), bool))
+  slots = jnp.arange(num_slots, dtype=jnp.int32)
+  if block_mask is None:  # a chain: the view is the cache itself, causal
+    visible = slots[None, None, :] <= length[:, None, None] + jnp.arange(t)[None, :, None]
+    return jnp.broadcast_to(slots, (b, t, num_slots)), visible
   block_mask = jnp.broadcast_to(block_mask, (b, t, t))
   earlier = positions[:, None, :] < positions[:, :, None]  # (B, Tj, Tm): pos m < pos j
   # rank[b, q, j]: visible block tokens of query q placed before token j
   rank = jnp.sum(block_mask[:, :, None, :] & earlier[:, None, :, :], axis=-1)  # (B, Tq, Tj)
-  slots = jnp.arange(num_slots, dtype=jnp.int32)
   r = slots[None, None, :] - length[:, None, None]  # (B, 1, S)
   # which block token sits at view slot length + r
   hit = block_mask[:, :, None, :] & (rank[:, :, None, :] == r[..., None])  # (B, Tq, S, Tj)
