@@ -30,6 +30,7 @@ def get_config(arg=None):
   c.k = 4
   c.repeats = 4
   c.verify_calls = 20
+  c.verify_batches = "1,4"  # t_verify(k + 1) at these batch sizes
   # identity: every drafter, chains and trees, on the headline prompt set
   c.prompts = SPEC_BENCH
   c.prompt_limit = 10  # the first N questions of each category

@@ -5,8 +5,9 @@ Cost, side by side in one process, each precision, the two modes interleaved
 over repeats (so both see the same machine load):
 
   AR tok/s       greedy B = 1 decode of `max_new_tokens` tokens (prefill apart)
-  t_verify(k+1)  one chain verify forward of k + 1 tokens after the prompt,
-                 median over `verify_calls` calls
+  t_verify(k+1)  one chain verify forward of k + 1 tokens per row after the
+                 prompt, at each batch size of `verify_batches`, median
+                 over `verify_calls` calls
 
 What it buys: with the setting on, greedy speculative decoding must equal
 greedy AR token for token, no near-tie allowance. For each precision and each
@@ -36,14 +37,15 @@ from specjax.models import cache as cache_lib
 from specjax.models import transformer
 
 
-def _verify_timer(model, k: int, prompt_len: int, calls: int) -> Callable[[], float]:
+def _verify_timer(model, k: int, prompt_len: int, calls: int,
+                  batch: int = 1) -> Callable[[], float]:
   cfg = model.cfg
   fwd = jax.jit(transformer.forward, static_argnames=("cfg", "batch_invariant"))
-  cache = cache_lib.init_cache(cfg, 1, cache_lib.round_up(prompt_len + 128, 16))
-  prompt = jnp.full((1, prompt_len), 100, jnp.int32)
+  cache = cache_lib.init_cache(cfg, batch, cache_lib.round_up(prompt_len + 128, 16))
+  prompt = jnp.full((batch, prompt_len), 100, jnp.int32)
   _, _, cache = fwd(model.params, cfg, prompt, transformer.chain_positions(cache, prompt_len),
                     cache, batch_invariant=False)
-  block = jnp.full((1, k + 1), 200, jnp.int32)
+  block = jnp.full((batch, k + 1), 200, jnp.int32)
   pos = transformer.chain_positions(cache, k + 1)
   fwd(model.params, cfg, block, pos, cache)[0].block_until_ready()
 
@@ -63,26 +65,30 @@ def cost(c, progress: Callable[[str], None]) -> List[dict]:
   for dtype in [d for d in c.dtypes.split(",") if d]:
     models = {inv: load_model(c.model, dtype, batch_invariant=inv) for inv in (False, True)}
     prompt = models[False].tokenizer.encode_prompt(c.prompt)
-    timers = {inv: _verify_timer(m, c.k, len(prompt), c.verify_calls)
-              for inv, m in models.items()}
+    batches = _batches(c)
+    timers = {(inv, b): _verify_timer(m, c.k, len(prompt), c.verify_calls, b)
+              for inv, m in models.items() for b in batches}
     for m in models.values():  # compile (every run decodes max_new_tokens: no EOS)
       ar.generate(m.params, m.cfg.replace(eos_id=-1), [prompt], max_new_tokens=c.max_new_tokens)
     tps = {False: [], True: []}
-    tv = {False: [], True: []}
+    tv = {key: [] for key in timers}
     for r in range(c.repeats):
       for inv in (False, True) if r % 2 == 0 else (True, False):
         m = models[inv]
         res = ar.generate(m.params, m.cfg.replace(eos_id=-1), [prompt],
                           max_new_tokens=c.max_new_tokens)
         tps[inv].append((res.num_new_tokens - 1) / res.decode_s)
-        tv[inv].append(timers[inv]())
+        for b in batches:
+          tv[(inv, b)].append(timers[(inv, b)]())
       progress(f"{dtype} repeat {r + 1}/{c.repeats}")
     for inv in (False, True):
-      rows.append({"dtype": dtype, "batch_invariant": inv,
-                   "ar_tokens_per_s": statistics.median(tps[inv]),
-                   "t_verify_ms": 1e3 * statistics.median(tv[inv]),
-                   "ar_ratio": statistics.median(tps[inv]) / statistics.median(tps[False]),
-                   "t_verify_ratio": statistics.median(tv[inv]) / statistics.median(tv[False])})
+      row = {"dtype": dtype, "batch_invariant": inv,
+             "ar_tokens_per_s": statistics.median(tps[inv]),
+             "ar_ratio": statistics.median(tps[inv]) / statistics.median(tps[False])}
+      for b in batches:
+        t, t0 = statistics.median(tv[(inv, b)]), statistics.median(tv[(False, b)])
+        row[f"t_verify_B{b}_ms"], row[f"t_verify_B{b}_ratio"] = 1e3 * t, t / t0
+      rows.append(row)
   return rows
 
 
@@ -124,16 +130,23 @@ def identity(c, progress: Callable[[str], None]) -> List[dict]:
   return rows
 
 
+def _batches(c) -> List[int]:
+  return [int(b) for b in str(c.verify_batches).split(",") if b]
+
+
 def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]], c) -> str:
   out = []
   if cost_rows:
     out += ["Cost of batch invariance (SmolLM2-135M, B = 1, greedy; the two modes "
             f"interleaved, {c.repeats} repeats, medians; k = {c.k}).", "",
-            "| dtype | batch_invariant | AR tok/s | vs default | t_verify(k+1) ms | vs default |",
-            "|---|---|---|---|---|---|"]
+            "| dtype | batch_invariant | AR tok/s (B = 1) | vs default | "
+            + " | ".join(f"t_verify(k+1) B = {b} ms | vs default" for b in _batches(c)) + " |",
+            "|---|---|---|---|" + "---|---|" * len(_batches(c))]
     for r in cost_rows:
       out.append(f"| {r['dtype']} | {r['batch_invariant']} | {r['ar_tokens_per_s']:.1f} | "
-                 f"{r['ar_ratio']:.2f}x | {r['t_verify_ms']:.1f} | {r['t_verify_ratio']:.2f}x |")
+                 f"{r['ar_ratio']:.2f}x | " + " | ".join(
+                     f"{r[f't_verify_B{b}_ms']:.1f} | {r[f't_verify_B{b}_ratio']:.2f}x"
+                     for b in _batches(c)) + " |")
   if identity_rows:
     out += ["", f"Greedy speculative output vs greedy AR, token for token ({c.max_new_tokens} "
             f"new tokens, the first {c.prompt_limit} Spec-Bench questions per category, "
