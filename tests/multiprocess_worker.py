@@ -33,6 +33,7 @@ def main(argv):
   from specjax.analysis import sharded_identity  # pylint: disable=import-outside-toplevel
   from specjax.decoding import autoregressive as ar  # pylint: disable=import-outside-toplevel
   from specjax.decoding import speculative as sp  # pylint: disable=import-outside-toplevel
+  from specjax.drafters import draft_model as draft_model_lib  # pylint: disable=import-outside-toplevel
   from specjax.drafters.prompt_lookup import PromptLookup  # pylint: disable=import-outside-toplevel
   from specjax.models import transformer  # pylint: disable=import-outside-toplevel
   from specjax.models.config import tiny_config  # pylint: disable=import-outside-toplevel
@@ -44,7 +45,7 @@ def main(argv):
 
   # --- 1. data-parallel drafter training -----------------------------------------
   cfg = tiny_config()
-  scfg = draft_train.student_config(cfg, 1)
+  scfg = draft_model_lib.student_config(cfg, 1)
   target = jax.tree.map(np.asarray, transformer.init(jax.random.key(1), cfg))
   student = jax.tree.map(np.asarray, draft_train.init_student(target, cfg, (0,)))
   opt = loop.make_optimizer(3e-2, steps=4, warmup=1, weight_decay=0.01, clip=1.0)

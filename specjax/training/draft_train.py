@@ -44,7 +44,7 @@ import numpy as np
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
-from specjax.drafters.draft_model import assemble, student_config  # pylint: disable=unused-import
+from specjax.drafters.draft_model import assemble
 from specjax.training import eagle_train
 
 LOSSES = ("kl", "tv", "kl+tv")

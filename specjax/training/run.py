@@ -16,6 +16,7 @@ import numpy as np
 from specjax import distributed
 from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
+from specjax.drafters import draft_model as draft_model_lib
 from specjax.drafters import eagle, medusa
 from specjax.io.load import Model, load_model
 from specjax.models import transformer
@@ -297,7 +298,7 @@ def _reduced_vocab(c, cfg, train_seqs, progress):
 def _run_draft_model(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_start):
   """A small independent draft model distilled from the target (draft_train)."""
   cfg = model.cfg
-  scfg = draft_train.student_config(cfg, c.draft_layers)
+  scfg = draft_model_lib.student_config(cfg, c.draft_layers)
   init_layers = draft_train.parse_init_layers(c.init_layers, cfg.num_layers, c.draft_layers)
   t0 = time.perf_counter()
   pool, vpool = _pools("features", lambda: (
