@@ -73,11 +73,6 @@ def raise_if_nonfinite(nonfinite_at, result, what: str) -> None:
     raise err
 
 
-def first_token_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
-  """Logits at each row's last real prompt position: (B, T, V) -> (B, V)."""
-  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-
-
 def sample_rows(keys: jax.Array, logits: jax.Array, sampling: sampling_lib.SamplingConfig):
   """One token per row, each row with its own key: (B,) keys, (B, V) logits."""
   if sampling.greedy:
@@ -96,23 +91,44 @@ def emit(tokens, num_tokens, done, limit, new, eos_id, pad_id):
   return tokens, num_tokens, done
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_slots", "sampling", "max_new_tokens",
-                                             "hidden_layers"))
-def prefill(params, cfg: ModelConfig, keys, prompt_tokens, prompt_lengths, limit, *,
-            num_slots: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
-            hidden_layers=None):
-  """Prompt forward + first token. Returns the initial DecodeState, or
-  (DecodeState, hidden (B, T, Df)) when `hidden_layers` is given (a tuple, as
-  `transformer.forward` takes it; () for the final normed state)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "num_slots", "hidden_layers"))
+def prompt_forward(params, cfg: ModelConfig, prompt_tokens, prompt_lengths, *, num_slots: int,
+                   hidden_layers=None):
+  """The prompts' forward: -> (logits at each row's last prompt position (B, V),
+  the cache filled to the prompt lengths, the hidden states of `hidden_layers`
+  (B, T, Df) or None).
+
+  Its own program, independent of the sampling settings and the drafter: one
+  compile of the whole model's prompt forward per (shapes, hidden_layers)
+  serves AR and every drafter, greedy and sampled (the first token is drawn by
+  `first_token`, a small program)."""
   b, t = prompt_tokens.shape
   cache = cache_lib.init_cache(cfg, b, num_slots)
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  # (prefill is shared by AR and speculative runs: never the batch-invariant form)
-  logits, hidden, cache = transformer.forward(params, cfg, prompt_tokens, positions, cache,
-                                              hidden_layers=hidden_layers or (),
-                                              batch_invariant=False)
+  # The final normed state is the last tap; the LM head runs only at each
+  # row's last prompt position (B rows, not B x T: a prompt's other logits are
+  # never read). Prefill is shared by AR and speculative runs: never the
+  # batch-invariant form.
+  taps = tuple(hidden_layers or ()) + (cfg.num_layers,)
+  _, hidden, cache = transformer.forward(params, cfg, prompt_tokens, positions, cache,
+                                         hidden_layers=taps, compute_logits=False,
+                                         batch_invariant=False)
   cache = cache.with_length(prompt_lengths)
-  first_logits = first_token_logits(logits, prompt_lengths)
+  last = jnp.take_along_axis(hidden[..., -cfg.dim:], (prompt_lengths - 1)[:, None, None],
+                             axis=1)[:, 0]
+  first_logits = transformer.lm_head(params, cfg, last)
+  if hidden_layers is None:
+    return first_logits, cache, None
+  return first_logits, cache, (hidden[..., :-cfg.dim] if hidden_layers else hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens"),
+                   donate_argnames=("cache",))
+def first_token(cfg: ModelConfig, keys, first_logits, cache, limit, *,
+                sampling: sampling_lib.SamplingConfig, max_new_tokens: int) -> DecodeState:
+  """The first token of every row from its prompt's last logits (B, V): the
+  initial DecodeState around the prompts' `cache`."""
+  b = first_logits.shape[0]
   first = sample_rows(batch_lib.purpose_keys(keys, batch_lib.PREFILL_SAMPLE), first_logits,
                       sampling)
   tokens = jnp.full((b, max_new_tokens), cfg.pad_id, jnp.int32)
@@ -120,9 +136,23 @@ def prefill(params, cfg: ModelConfig, keys, prompt_tokens, prompt_lengths, limit
   nonfinite_at, done = note_nonfinite(zeros - 1, jnp.zeros((b,), bool),
                                       nonfinite_rows(first_logits, jnp.ones((b,), bool)), zeros)
   tokens, num_tokens, done = emit(tokens, zeros, done, limit, first, cfg.eos_id, cfg.pad_id)
-  state = DecodeState(step=jnp.zeros((), jnp.int32), cache=cache, keys=keys, last=first,
-                      tokens=tokens, num_tokens=num_tokens, limit=limit, done=done,
-                      nonfinite_at=nonfinite_at)
+  return DecodeState(step=jnp.zeros((), jnp.int32), cache=cache, keys=keys, last=first,
+                     tokens=tokens, num_tokens=num_tokens, limit=limit, done=done,
+                     nonfinite_at=nonfinite_at)
+
+
+def prefill(params, cfg: ModelConfig, keys, prompt_tokens, prompt_lengths, limit, *,
+            num_slots: int, sampling: sampling_lib.SamplingConfig, max_new_tokens: int,
+            hidden_layers=None):
+  """Prompt forward + first token (two programs: `prompt_forward`, shared by
+  every sampling setting and drafter, then `first_token`). Returns the initial
+  DecodeState, or (DecodeState, hidden (B, T, Df)) when `hidden_layers` is
+  given (a tuple, as `transformer.forward` takes it; () for the final normed
+  state)."""
+  first_logits, cache, hidden = prompt_forward(params, cfg, prompt_tokens, prompt_lengths,
+                                               num_slots=num_slots, hidden_layers=hidden_layers)
+  state = first_token(cfg, keys, first_logits, cache, limit, sampling=sampling,
+                      max_new_tokens=max_new_tokens)
   return state if hidden_layers is None else (state, hidden)
 
 
@@ -177,13 +207,19 @@ class GenerateResult:
 
 
 def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens,
-            block: int, cache_slots: Optional[int] = None):
-  """Pad prompts, size the cache, per-row limits. Raises on requests that cannot fit."""
+            block: int, cache_slots: Optional[int] = None, width: Optional[int] = None):
+  """Pad prompts, size the cache, per-row limits. Raises on requests that cannot fit.
+
+  `width`: the new-token buffer the cache is sized for (default the largest
+  limit); runs with other limits but the same width share one program."""
   tokens, lengths = batch_lib.pad_prompts(prompts, cfg.pad_id)
   limits = np.broadcast_to(np.asarray(max_new_tokens, np.int32), lengths.shape).copy()
   if limits.min() < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {limits.min()}")
-  width = int(limits.max())
+  if width is None:
+    width = int(limits.max())
+  elif width < limits.max():
+    raise ValueError(f"width {width} is below the largest max_new_tokens ({limits.max()})")
   num_slots = batch_lib.cache_size(cfg, tokens.shape[1], int(lengths.max()), width, block,
                                    cache_slots)
   for i, (n, lim) in enumerate(zip(lengths, limits)):
@@ -198,7 +234,8 @@ def unpack(tokens: np.ndarray, num_tokens: np.ndarray) -> list:
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, key=0,
              sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY,
              max_new_tokens=64, request_ids=None,
-             cache_slots: Optional[int] = None, mesh=None) -> GenerateResult:
+             cache_slots: Optional[int] = None, mesh=None,
+             width: Optional[int] = None) -> GenerateResult:
   """Generate continuations of token-id prompts (ragged lengths allowed).
 
   Args:
@@ -208,6 +245,9 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, key=
     cache_slots: cache capacity cap (default the model's context length).
     mesh: optional (data, model) `jax.sharding.Mesh` (`specjax.sharding`): the
       batch runs split over `data`, the weights over `model`; same outputs.
+    width: the new-token buffer (default the largest max_new_tokens): a run
+      with limits of 1 and the width of a longer one compiles the same programs
+      without decoding (how the benchmark keeps compiles out of its timings).
 
   Raises:
     NonFiniteLogitsError: some row's logits were NaN / inf where a token was
@@ -219,7 +259,7 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, key=
                                                                  request_ids, mesh)
     params = sharding.place_params(params, mesh)
   tokens, lengths, limits, width, num_slots = prepare(cfg, prompts, max_new_tokens, 1,
-                                                      cache_slots)
+                                                      cache_slots, width)
   keys = batch_lib.request_keys(batch_lib.as_key(key),
                                 batch_lib.request_ids_for(len(prompts), request_ids))
   inputs = (keys, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(limits))

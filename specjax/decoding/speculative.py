@@ -158,22 +158,27 @@ def _cut(block, n_block, remaining, eos_id):
   return jnp.minimum(jnp.minimum(n_block, first_eos), remaining)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "num_slots", "spec",
-                                             "max_new_tokens"))
 def prefill(params, cfg: ModelConfig, drafter: Drafter, draft_params, keys, prompt_tokens,
             prompt_lengths, limit, *, num_slots: int, spec: SpecConfig, max_new_tokens: int):
-  """Target prefill + first token, drafter init. Returns the initial SpecState."""
+  """Target prefill + first token (`autoregressive.prefill`: the prompt forward
+  is one program for every drafter and sampling setting with the same shapes
+  and hidden layers), then the drafter's init. Returns the initial SpecState."""
+  hidden_layers = tuple(drafter.layers_for(cfg)) if drafter.needs_prefill_hidden else None
+  out = ar.prefill(params, cfg, keys, prompt_tokens, prompt_lengths, limit, num_slots=num_slots,
+                   sampling=spec.sampling, max_new_tokens=max_new_tokens,
+                   hidden_layers=hidden_layers)
+  base, hidden = out if hidden_layers is not None else (out, None)
+  return _start_state(params, cfg, drafter, draft_params, prompt_tokens, prompt_lengths, base,
+                      hidden, num_slots=num_slots)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "drafter", "num_slots"),
+                   donate_argnames=("base",))
+def _start_state(params, cfg: ModelConfig, drafter: Drafter, draft_params, prompt_tokens,
+                 prompt_lengths, base: ar.DecodeState, hidden, *, num_slots: int):
+  """The drafter's init around the target's prefilled state: the initial SpecState."""
   b, t = prompt_tokens.shape
-  if drafter.needs_prefill_hidden:
-    base, hidden = ar.prefill(params, cfg, keys, prompt_tokens, prompt_lengths, limit,
-                              num_slots=num_slots, sampling=spec.sampling,
-                              max_new_tokens=max_new_tokens,
-                              hidden_layers=tuple(drafter.layers_for(cfg)))
-    extra = {"hidden": hidden}
-  else:
-    base = ar.prefill(params, cfg, keys, prompt_tokens, prompt_lengths, limit,
-                      num_slots=num_slots, sampling=spec.sampling, max_new_tokens=max_new_tokens)
-    extra = {}
+  extra = {} if hidden is None else {"hidden": hidden}
   history = jnp.full((b, num_slots), cfg.pad_id, jnp.int32)
   history = history.at[:, :t].set(prompt_tokens)
   history = history.at[jnp.arange(b), prompt_lengths].set(base.last)
@@ -187,8 +192,8 @@ def prefill(params, cfg: ModelConfig, drafter: Drafter, draft_params, keys, prom
                     narrow=zeros, verified=zeros)
   # base.num_tokens is 1, or 0 on a row whose first token's logits were not finite
   return SpecState(round=jnp.zeros((), jnp.int32), cache=base.cache, drafter=dstate,
-                   keys=keys, history=history, length=prompt_lengths + base.num_tokens,
-                   prompt_len=prompt_lengths, num_tokens=base.num_tokens, limit=limit,
+                   keys=base.keys, history=history, length=prompt_lengths + base.num_tokens,
+                   prompt_len=prompt_lengths, num_tokens=base.num_tokens, limit=base.limit,
                    done=base.done, metrics=metrics, nonfinite_at=base.nonfinite_at)
 
 
@@ -416,7 +421,8 @@ def _summarize(state: SpecState) -> dict:
 
 def start(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
           draft_params=None, key=0, spec: SpecConfig = SpecConfig(), max_new_tokens=64,
-          request_ids=None, cache_slots: Optional[int] = None, mesh=None) -> SpecState:
+          request_ids=None, cache_slots: Optional[int] = None, mesh=None,
+          width: Optional[int] = None) -> SpecState:
   """Check the drafter, pad the prompts, derive per-request keys and prefill:
   the state `decode` starts from (also what calibration measures proposals on).
   With a `mesh`, params, inputs and the returned state are placed on it
@@ -425,7 +431,7 @@ def start(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence
   drafter.check(cfg, draft_params)
   tokens, lengths, limits, width, num_slots = ar.prepare(cfg, prompts, max_new_tokens,
                                                          max(drafter.k + 1, drafter.block),
-                                                         cache_slots)
+                                                         cache_slots, width)
   keys = batch_lib.request_keys(batch_lib.as_key(key),
                                 batch_lib.request_ids_for(len(prompts), request_ids))
   inputs = (keys, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(limits))
@@ -442,11 +448,13 @@ def start(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence
 
 def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
              draft_params=None, key=0, spec: SpecConfig = SpecConfig(), max_new_tokens=64,
-             request_ids=None, cache_slots: Optional[int] = None, mesh=None) -> SpecResult:
+             request_ids=None, cache_slots: Optional[int] = None, mesh=None,
+             width: Optional[int] = None) -> SpecResult:
   """Speculative generation for token-id prompts (ragged lengths allowed).
 
-  The same arguments as `autoregressive.generate`, plus the drafter, its
-  params and the SpecConfig (target sampling settings and acceptance rule).
+  The same arguments as `autoregressive.generate` (`width` included), plus the
+  drafter, its params and the SpecConfig (target sampling settings and
+  acceptance rule).
   Raises NonFiniteLogitsError as `autoregressive.generate` does.
   """
   n = len(prompts)
@@ -458,7 +466,7 @@ def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Seque
   t0 = time.perf_counter()
   state = start(params, cfg, drafter, prompts, draft_params=draft_params, key=key, spec=spec,
                 max_new_tokens=max_new_tokens, request_ids=request_ids, cache_slots=cache_slots,
-                mesh=mesh)
+                mesh=mesh, width=width)
   num_slots = state.cache.num_slots
   state.num_tokens.block_until_ready()
   t1 = time.perf_counter()
