@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Optional, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +36,15 @@ from specjax.models import transformer
 from specjax.models.config import ModelConfig
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling"))
-def _teacher_forced_probs(params, cfg: ModelConfig, tokens, sampling):
-  """Processed next-token distributions at every position of (N, T) tokens."""
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "start"))
+def _teacher_forced_probs(params, cfg: ModelConfig, tokens, sampling, start: int = 0):
+  """Processed next-token distributions at positions start.. of (N, T) tokens:
+  (N, T - start, V). The LM head and the sampling transform run only there."""
   n, t = tokens.shape
   cache = cache_lib.init_cache(cfg, n, cache_lib.round_up(t, 8))
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
-  logits, _, _ = transformer.forward(params, cfg, tokens, pos, cache)
-  return sampling_lib.probs(logits, sampling)
+  _, hidden, _ = transformer.forward(params, cfg, tokens, pos, cache, compute_logits=False)
+  return sampling_lib.probs(transformer.lm_head(params, cfg, hidden[:, start:]), sampling)
 
 
 def exact_joint(params, cfg: ModelConfig, prompt: Sequence[int], num_tokens: int,
@@ -58,14 +59,14 @@ def exact_joint(params, cfg: ModelConfig, prompt: Sequence[int], num_tokens: int
   combos = np.array(list(itertools.product(range(v), repeat=m - 1)), np.int32)
   combos = combos.reshape(-1, m - 1)
   seqs = np.concatenate([np.tile(np.asarray(prompt, np.int32), (len(combos), 1)), combos], 1)
-  probs = np.asarray(_teacher_forced_probs(params, cfg, jnp.asarray(seqs), sampling),
-                     np.float64)
   p0 = len(prompt) - 1
-  # joint[c, x] = prod_i p_{p0+i}(c_i | c_<i) * p_{p0+m-1}(x | c)
+  probs = np.asarray(_teacher_forced_probs(params, cfg, jnp.asarray(seqs), sampling, start=p0),
+                     np.float64)
+  # joint[c, x] = prod_i p_{p0+i}(c_i | c_<i) * p_{p0+m-1}(x | c)  (probs[:, i] is p_{p0+i})
   weight = np.ones(len(combos))
   for i in range(m - 1):
-    weight *= probs[np.arange(len(combos)), p0 + i, combos[:, i]]
-  joint = weight[:, None] * probs[:, p0 + m - 1, :]
+    weight *= probs[np.arange(len(combos)), i, combos[:, i]]
+  joint = weight[:, None] * probs[:, m - 1, :]
   return joint.reshape((v,) * m)
 
 
@@ -148,8 +149,9 @@ def pit_values(params, cfg: ModelConfig, prompt: Sequence[int], samples: np.ndar
                           samples[s:s + chunk]], 1)
     pad = chunk - seq.shape[0]  # one compiled shape for every chunk
     seq = np.pad(seq, ((0, pad), (0, 0)))
-    probs = np.asarray(_teacher_forced_probs(params, cfg, jnp.asarray(seq), sampling),
-                       np.float64)[:chunk - pad, plen - 1:plen - 1 + length]
+    probs = np.asarray(_teacher_forced_probs(params, cfg, jnp.asarray(seq), sampling,
+                                             start=plen - 1),
+                       np.float64)[:chunk - pad, :length]
     x = samples[s:s + chunk]
     cdf = np.cumsum(probs, axis=-1)
     p_x = np.take_along_axis(probs, x[..., None], -1)[..., 0]
