@@ -12,6 +12,7 @@ from typing import Optional
 
 from specjax import sampling as sampling_lib
 from specjax import sharding
+from specjax.benchmarks import report
 from specjax.decoding import autoregressive
 from specjax.errors import ConfigValueError
 from specjax.io.load import Model, load_model
@@ -27,14 +28,9 @@ def peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _upto_eos(tokens, eos_id) -> list:
-  tokens = list(tokens)
-  return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
-
-
 def _identical(a, b, eos_id) -> bool:
   """Token lists equal up to and including the first EOS."""
-  return _upto_eos(a, eos_id) == _upto_eos(b, eos_id)
+  return report.upto_eos(a, eos_id) == report.upto_eos(b, eos_id)
 
 
 def generate_from_config(c, model: Optional[Model] = None) -> dict:
@@ -50,7 +46,7 @@ def generate_from_config(c, model: Optional[Model] = None) -> dict:
 
   sampling = sampling_from_config(c)
   methods = ("ar",) + registry.available_methods()
-  if c.method not in methods and c.method not in registry.LOOKAHEAD_METHODS:
+  if c.method not in methods:
     raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
   model = model or load_model(c.model, c.dtype, batch_invariant=c.get("batch_invariant", False))
   if model.tokenizer is None:

@@ -12,6 +12,7 @@ import pytest
 
 from specjax.analysis import roofline
 from specjax.benchmarks import ar
+from specjax.benchmarks import report
 from specjax.io.load import Model
 from specjax.models import transformer
 from specjax.models.config import tiny_config
@@ -80,8 +81,8 @@ def test_spread_and_eos_helpers():
   assert ar.spread([3.0]) == {"median": 3.0, "q1": 3.0, "q3": 3.0, "n": 1}
   s = ar.spread([1.0, 2.0, 3.0, 4.0, 5.0])
   assert (s["q1"], s["median"], s["q3"]) == (2.0, 3.0, 4.0)
-  assert ar.until_eos([5, 2, 7], 2) == [5, 2]
-  assert ar.until_eos([5, 6], 2) == [5, 6]
+  assert report.upto_eos([5, 2, 7], 2) == [5, 2]
+  assert report.upto_eos([5, 6], 2) == [5, 6]
   # HF may continue with pads after EOS: compared only up to EOS.
   assert ar.compare_greedy([4, 5, 2], [4, 5, 2, 2, 2], 2)["identical_up_to_eos"]
   diff = ar.compare_greedy([4, 5, 6], [4, 9, 6], 2)

@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+from specjax.benchmarks import questions
 from specjax.benchmarks import specbench
 from specjax.drafters import registry
 
@@ -117,7 +118,7 @@ def test_two_turn_prompt_contains_first_answer(bench, smollm2_short):
   first_answer = ar["answers"][0][0]
   assert first_answer.strip()
   prompt = smollm2_short.tokenizer.encode_chat(
-      specbench.chat_messages(QUESTIONS[0]["turns"], [first_answer]))
+      questions.chat_messages(QUESTIONS[0]["turns"], [first_answer]))
   assert len(prompt) == ar["prompt_tokens"][1][0] > ar["prompt_tokens"][0][0]
   text = smollm2_short.tokenizer.decode(prompt)
   assert text.index("Name a color.") < text.index(first_answer) < text.index("Name another one.")

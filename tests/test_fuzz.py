@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from specjax import errors
 from specjax import sampling as sampling_lib
 from specjax.analysis import fuzz
-from specjax.benchmarks import specbench
+from specjax.benchmarks import questions
 from specjax.drafters import registry
 from specjax.io import gguf as gguf_io
 from specjax.io import hf
@@ -86,7 +86,7 @@ def test_seeds_load(seeds):
   assert cfg.vocab_size == seeds.cfg.vocab_size
   params, card = checkpoints.load_drafter(seeds.checkpoint)
   assert card["method"] == "medusa"
-  assert len(specbench.load_questions(seeds.prompts)) == len(fuzz.PROMPTS)
+  assert len(questions.load_questions(seeds.prompts)) == len(fuzz.PROMPTS)
 
 
 def _gguf_header(n_tensors, n_kv):
@@ -194,11 +194,11 @@ def test_prompt_file_errors_name_file_and_line(tmp_path, line, match):
   path = tmp_path / "q.jsonl"
   path.write_text(json.dumps(fuzz.PROMPTS[0]) + "\n\n" + line + "\n")
   with pytest.raises(errors.PromptFileError, match=match) as e:
-    specbench.load_questions(str(path))
+    questions.load_questions(str(path))
   assert f"{path}:3:" in str(e.value)
   path.write_bytes(json.dumps(fuzz.PROMPTS[0]).encode() + b"\n\xff\xfe\n")
   with pytest.raises(errors.PromptFileError, match=f"{path}:2: not UTF-8"):
-    specbench.load_questions(str(path))
+    questions.load_questions(str(path))
 
 
 @pytest.mark.parametrize("config, match", [

@@ -11,7 +11,7 @@ shapes, questions of the right types) or raise the library's error for it:
   safetensors  specjax.io.hf.load_hf, model.safetensors mutated -> MalformedFileError
   hf_config    specjax.io.hf.load_hf, config.json mutated       -> MalformedFileError
   checkpoint   specjax.io.checkpoints.load_drafter        -> MalformedFileError
-  prompts      specjax.benchmarks.specbench.load_questions       -> MalformedFileError
+  prompts      specjax.benchmarks.questions.load_questions     -> MalformedFileError
   config       run settings -> SamplingConfig, SpecConfig and
                specjax.drafters.registry.make_drafter           -> BadInputError
 
@@ -447,7 +447,7 @@ def fuzz_checkpoint(seeds: Seeds, draw: Draw, note: Callable[[str], None]) -> No
 
 
 def fuzz_prompts(seeds: Seeds, draw: Draw, note: Callable[[str], None]) -> None:
-  from specjax.benchmarks import specbench  # pylint: disable=import-outside-toplevel
+  from specjax.benchmarks import questions as questions_lib  # pylint: disable=import-outside-toplevel
 
   with open(seeds.prompts, "rb") as f:
     data = f.read()
@@ -455,7 +455,7 @@ def fuzz_prompts(seeds: Seeds, draw: Draw, note: Callable[[str], None]) -> None:
   path = seeds.scratch("prompts.jsonl")
   _write(path, mutant)
   note(name)
-  questions = specbench.load_questions(path)
+  questions = questions_lib.load_questions(path)
   for q in questions:
     if not (isinstance(q.question_id, int) and isinstance(q.category, str) and q.turns
             and all(isinstance(t, str) for t in q.turns)):

@@ -29,6 +29,7 @@ import numpy as np
 from specjax import runner
 from specjax import sampling as sampling_lib
 from specjax.analysis import roofline
+from specjax.benchmarks import report
 from specjax.decoding import autoregressive
 from specjax.io.load import Model, load_model
 from specjax.peers import hf  # imports torch / transformers only when used
@@ -43,14 +44,8 @@ def spread(values: Sequence[float]) -> dict:
   return {"median": statistics.median(v), "q1": q1, "q3": q3, "n": len(v)}
 
 
-def until_eos(tokens: Sequence[int], eos_id: int) -> list:
-  """Tokens up to and including the first EOS (HF and specjax both stop there)."""
-  tokens = list(tokens)
-  return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
-
-
 def compare_greedy(a: Sequence[int], b: Sequence[int], eos_id: int) -> dict:
-  a, b = until_eos(a, eos_id), until_eos(b, eos_id)
+  a, b = report.upto_eos(a, eos_id), report.upto_eos(b, eos_id)
   mismatch = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
   if mismatch is None and len(a) != len(b):
     mismatch = min(len(a), len(b))
@@ -73,7 +68,7 @@ def _specjax_row(b: int, runs: list, compile_s: float, model: Model, wbytes: int
   kv = kv_cache_bytes(model, b, runs[0].num_slots)
   floor = roofline.roofline_ms_per_token(wbytes, gbps)
   eos = model.cfg.eos_id
-  rows = [until_eos(t, eos) for t in runs[-1].tokens]
+  rows = [report.upto_eos(t, eos) for t in runs[-1].tokens]
   return {
       "impl": "specjax",
       "batch_size": b,
@@ -167,7 +162,7 @@ def run_ar_benchmark(c, model: Optional[Model] = None, prompt_ids: Optional[Sequ
         log(f"[{i + 1}/{repeats}] HF transformers B=1: {1e3 / h.decode_tokens_per_s:.1f} ms/token,"
             f" {h.decode_tokens_per_s:.1f} tok/s")
 
-  ref = until_eos(runs[1][-1].tokens[0], model.cfg.eos_id) if 1 in runs else None
+  ref = report.upto_eos(runs[1][-1].tokens[0], model.cfg.eos_id) if 1 in runs else None
   rows = [_specjax_row(b, runs[b], compile_s[b], model, wbytes, gbps, ref) for b in batch_sizes]
   out = {
       "model": str(c.model),

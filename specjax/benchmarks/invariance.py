@@ -25,10 +25,9 @@ from typing import Callable, Dict, List, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.benchmarks import specbench
+from specjax.benchmarks import questions as questions_lib
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
@@ -93,7 +92,7 @@ def cost(c, progress: Callable[[str], None]) -> List[dict]:
 
 
 def identity(c, progress: Callable[[str], None]) -> List[dict]:
-  questions = specbench.load_questions(c.prompts, c.prompt_limit)
+  questions = questions_lib.load_questions(c.prompts, c.prompt_limit)
   by_cat: Dict[str, list] = {}
   for q in sorted(questions, key=lambda q: q.question_id):
     by_cat.setdefault(q.category, []).append(q)

@@ -28,6 +28,7 @@ import numpy as np
 
 from specjax import distributed
 from specjax.analysis import theory
+from specjax.benchmarks import report
 from specjax.benchmarks import specbench
 from specjax.drafters import registry
 
@@ -75,10 +76,6 @@ def _write(out: str, name: str, rows: List[dict], md_lines: List[str],
   return {"rows": rows, "markdown": md}
 
 
-def _f(x, spec="{:.2f}"):
-  return "-" if x is None or (isinstance(x, float) and not np.isfinite(x)) else spec.format(x)
-
-
 def leviathan(c, model=None, progress=None) -> dict:
   out = os.path.join(c.out, "leviathan")
   runs = {}
@@ -91,9 +88,9 @@ def leviathan(c, model=None, progress=None) -> dict:
           for m in _methods(c)]
   md = ["| method | k | alpha (greedy) | alpha (T = 1) | tau (greedy) | tau (T = 1) | "
         "speedup (greedy) | speedup (T = 1) |", "|---|---|---|---|---|---|---|---|"]
-  md += [f"| {r['method']} | {r['k']} | {_f(r['alpha_greedy'])} | {_f(r['alpha_T=1'])} | "
-         f"{_f(r['tau_greedy'])} | {_f(r['tau_T=1'])} | {_f(r['speedup_greedy'])}x | "
-         f"{_f(r['speedup_T=1'])}x |" for r in rows]
+  md += [f"| {r['method']} | {r['k']} | {report.fmt(r['alpha_greedy'])} | {report.fmt(r['alpha_T=1'])} | "
+         f"{report.fmt(r['tau_greedy'])} | {report.fmt(r['tau_T=1'])} | {report.fmt(r['speedup_greedy'])}x | "
+         f"{report.fmt(r['speedup_T=1'])}x |" for r in rows]
 
   def plot(ax):
     x = np.arange(len(rows))
@@ -129,10 +126,10 @@ def specbench_table(c, model=None, progress=None) -> dict:
         "|---|" + "---|" * len(cats)]
   for m in _methods(c):
     md.append(f"| {m} | " + " | ".join(
-        f"{_f(by[m, x]['speedup'])}x ({_f(by[m, x]['tau'])})" if (m, x) in by else "-"
+        f"{report.fmt(by[m, x]['speedup'])}x ({report.fmt(by[m, x]['tau'])})" if (m, x) in by else "-"
         for x in cats) + " |")
   md.append("| AR tok/s | " + " | ".join(
-      _f(next((r["ar_tokens_per_s"] for r in rows if r["category"] == x), None), "{:.1f}")
+      report.fmt(next((r["ar_tokens_per_s"] for r in rows if r["category"] == x), None), "{:.1f}")
       for x in cats) + " |")
 
   def plot(ax):
@@ -164,8 +161,8 @@ def gamma(c, model=None, progress=None) -> dict:
                    "predicted_speedup": r.get("predicted_speedup")})
   md = ["| method | k | alpha | tau | measured | calibrated prediction | Thm 3.8 |",
         "|---|---|---|---|---|---|---|"]
-  md += [f"| {r['method']} | {r['k']} | {_f(r['alpha'])} | {_f(r['tau'])} | {_f(r['speedup'])}x | "
-         f"{_f(r['predicted_speedup'])}x | {_f(r['theorem_3_8'])}x |" for r in rows]
+  md += [f"| {r['method']} | {r['k']} | {report.fmt(r['alpha'])} | {report.fmt(r['tau'])} | {report.fmt(r['speedup'])}x | "
+         f"{report.fmt(r['predicted_speedup'])}x | {report.fmt(r['theorem_3_8'])}x |" for r in rows]
   md.append("")
   for m in _methods(c):
     mine = [r for r in rows if r["method"] == m]
@@ -204,9 +201,9 @@ def batch(c, model=None, progress=None) -> dict:
         "|---|" + "---|" * len(sizes)]
   for m in _methods(c):
     by = {r["batch_size"]: r for r in rows if r["method"] == m}
-    md.append(f"| {m} | " + " | ".join(f"{_f(by[b]['speedup'])}x" for b in sizes) + " |")
+    md.append(f"| {m} | " + " | ".join(f"{report.fmt(by[b]['speedup'])}x" for b in sizes) + " |")
   md.append("| AR tok/s | " + " | ".join(
-      _f(next(r for r in rows if r["batch_size"] == b)["ar_tokens_per_s"], "{:.1f}")
+      report.fmt(next(r for r in rows if r["batch_size"] == b)["ar_tokens_per_s"], "{:.1f}")
       for b in sizes) + " |")
 
   def plot(ax):
@@ -240,8 +237,8 @@ def expected(c, model=None, progress=None) -> dict:
                    "formula_tokens": float(theory.expected_tokens(alpha, kk))})
   md = ["| method | k | alpha | measured tokens / round | (1 - alpha^(k+1)) / (1 - alpha) |",
         "|---|---|---|---|---|"]
-  md += [f"| {r['method']} | {r['k']} | {_f(r['alpha'])} | {_f(r['measured_tokens'])} | "
-         f"{_f(r['formula_tokens'])} |" for r in rows]
+  md += [f"| {r['method']} | {r['k']} | {report.fmt(r['alpha'])} | {report.fmt(r['measured_tokens'])} | "
+         f"{report.fmt(r['formula_tokens'])} |" for r in rows]
 
   def plot(ax):
     for m in dict.fromkeys(r["method"] for r in rows):

@@ -45,7 +45,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -57,6 +56,8 @@ import jax
 
 from specjax import sampling as sampling_lib
 from specjax.benchmarks import ar as ar_bench
+from specjax.benchmarks import questions as questions_lib
+from specjax.benchmarks import report
 from specjax.benchmarks import specbench
 from specjax.drafters import registry
 from specjax.io.load import Model, load_model
@@ -292,7 +293,7 @@ def specjax_settings(model: Model, methods: Dict[str, str]) -> dict:
 
 
 def _settings(c) -> dict:
-  return {k: (c[k] if k in c else None) for k in SETTINGS}
+  return report.config_settings(c, SETTINGS)
 
 
 def _new_record(q, system: System, repeats: int, settings_id: str) -> dict:
@@ -312,8 +313,8 @@ def _run_question(peers: _Peers, q, repeats: int, settings_id: str,
   own_ar = {s.impl: f"{s.impl}|AR" for s in systems}
   answers = []
   for t in range(len(q.turns)):
-    prompt = tok.encode_chat(specbench.chat_messages(q.turns[:t + 1], answers))
-    rid = q.question_id * specbench.TURN_IDS + t
+    prompt = tok.encode_chat(questions_lib.chat_messages(q.turns[:t + 1], answers))
+    rid = q.question_id * questions_lib.TURN_IDS + t
     first = {}
     for r in range(repeats):
       shift = r % len(systems)
@@ -342,7 +343,7 @@ def _run_question(peers: _Peers, q, repeats: int, settings_id: str,
 
 
 def _ratio(a, b):
-  return a / b if b and a is not None and math.isfinite(a) and math.isfinite(b) else None
+  return report.ratio(a, b, missing=None)
 
 
 def summarize(records: List[dict], systems: List[System]) -> List[dict]:
@@ -389,10 +390,6 @@ def best_against_best(rows: List[dict]) -> List[dict]:
           for impl, r in fastest.items() if impl != SPECJAX]
 
 
-def _fmt(x, spec="{:.2f}", suffix=""):
-  return "-" if x is None else spec.format(x) + suffix
-
-
 def format_markdown(out: dict) -> str:
   rows, c = out["results"], out["config"]
   lines = [
@@ -408,10 +405,10 @@ def format_markdown(out: dict) -> str:
   ]
   for r in rows:
     lines.append(
-        f"| {r['impl']} | {r['mode']} | {_fmt(r['k'], '{}')} | {_fmt(r['ngram'], '{}')} | "
-        f"{_fmt(r['tokens_per_s'], '{:.1f}')} | {_fmt(r['speedup_vs_own_ar'], suffix='x')} | "
-        f"{_fmt(r['speedup_vs_hf_ar'], suffix='x')} | {_fmt(r['tokens_per_round'])} | "
-        f"{_fmt(r['prefill_s'], '{:.2f}')} | "
+        f"| {r['impl']} | {r['mode']} | {report.fmt(r['k'], '{}')} | {report.fmt(r['ngram'], '{}')} | "
+        f"{report.fmt(r['tokens_per_s'], '{:.1f}')} | {report.fmt(r['speedup_vs_own_ar'], suffix='x')} | "
+        f"{report.fmt(r['speedup_vs_hf_ar'], suffix='x')} | {report.fmt(r['tokens_per_round'])} | "
+        f"{report.fmt(r['prefill_s'], '{:.2f}')} | "
         f"{'-' if r['greedy_identical'] is None else r['greedy_identical']} |")
   for impl, why in out["skipped"].items():
     lines.append(f"| {impl} | skipped: {why} | - | - | - | - | - | - | - | - |")
@@ -423,10 +420,10 @@ def format_markdown(out: dict) -> str:
   if not bab:
     lines.append("- no peer ran.")
   for b in bab:
-    lines.append(f"- specjax {b['specjax_mode']} {_fmt(b['specjax_tokens_per_s'], '{:.1f}')} "
+    lines.append(f"- specjax {b['specjax_mode']} {report.fmt(b['specjax_tokens_per_s'], '{:.1f}')} "
                  f"tok/s vs {b['peer']} {b['peer_mode']} "
-                 f"{_fmt(b['peer_tokens_per_s'], '{:.1f}')} tok/s: "
-                 f"{_fmt(b['ratio'], suffix='x')}")
+                 f"{report.fmt(b['peer_tokens_per_s'], '{:.1f}')} tok/s: "
+                 f"{report.fmt(b['ratio'], suffix='x')}")
   lines += ["", f"runtime {out['runtime_s']:.0f} s, specjax compiles {out['compile_s']:.0f} s "
             "(excluded from every figure)."]
   return "\n".join(lines) + "\n"
@@ -439,7 +436,7 @@ def run_peers(c, model: Optional[Model] = None,
   Writes `c.out`/log.jsonl, results.json, results.md. Returns the results
   dict (its "markdown" entry holds the table)."""
   t_start = time.perf_counter()
-  commit = specbench.git_commit()
+  commit = report.git_commit()
   progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
   repeats = int(c.repeats)
   if repeats < 1 or int(c.max_new_tokens) < 1:
@@ -447,7 +444,7 @@ def run_peers(c, model: Optional[Model] = None,
                      f"{c.max_new_tokens}")
   if c.hf and not hf.available():
     raise ImportError(f"hf=True needs the 'peers' extra: {hf.EXTRA_HINT}")
-  questions = specbench.load_questions(c.prompts, c.prompt_limit)
+  questions = questions_lib.load_questions(c.prompts, c.prompt_limit)
   os.makedirs(c.out, exist_ok=True)
   settings = _settings(c)
   settings_id = hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
@@ -469,8 +466,8 @@ def run_peers(c, model: Optional[Model] = None,
     todo = [q for q in questions if set(keys) - set(done.get(q.question_id, {}))]
     if todo:
       progress("warm-up: one untimed run of each peer mode")
-      peers.warm_up(model.tokenizer.encode_chat(specbench.chat_messages(todo[0].turns[:1], [])),
-                    todo[0].question_id * specbench.TURN_IDS)
+      peers.warm_up(model.tokenizer.encode_chat(questions_lib.chat_messages(todo[0].turns[:1], [])),
+                    todo[0].question_id * questions_lib.TURN_IDS)
     for n, q in enumerate(todo):
       def note(line, n=n):
         progress(f"[{n + 1}/{len(todo)} prompts] {q.category} {line} | elapsed "
@@ -491,7 +488,7 @@ def run_peers(c, model: Optional[Model] = None,
   out = {
       "config": c.to_dict(), "results": rows, "best_against_best": best_against_best(rows),
       "settings": peers.settings, "skipped": peers.skipped, "num_prompts": len(questions),
-      "commit": commit, "hardware": {**specbench.hardware(), "python": platform.python_version()},
+      "commit": commit, "hardware": {**report.hardware(), "python": platform.python_version()},
       "runtime_s": time.perf_counter() - t_start, "compile_s": peers.engine.compile_s,
   }
   out["markdown"] = format_markdown(out)

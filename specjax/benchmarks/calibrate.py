@@ -1,0 +1,85 @@
+"""A benchmark run's calibration: this machine's measured costs (target forward
+time per verify width, each drafter's proposal time) and the speedup they
+predict from a method's measured round counts, beside the measured one."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Sequence
+
+from specjax.analysis import calibration as calibration_lib
+from specjax.analysis import theory
+from specjax.benchmarks import report
+from specjax.benchmarks.questions import chat_messages
+from specjax.drafters import registry
+from specjax.io.load import Model
+
+
+def predict(stats: dict, calib: dict) -> dict:
+  """The calibrated prediction of a method's speedup from its measured round
+  counts and this machine's measured costs (no decode timing enters it):
+
+    cost per round = t_draft + t_verify(k + 1)   (t_verify(1) for rounds in
+                                                  which nothing was proposed;
+                                                  for drafters of variable length
+                                                  t_verify at the mean width the
+                                                  other rounds used, interpolated)
+    predicted speedup = emitted tokens * t_verify(1) / total cost
+
+  and Leviathan et al.'s Theorem 3.8 value, which prices a verify like one AR
+  step: (1 - a^(k+1)) / ((1 - a)(k c + 1)), c = t_draft / (k t_verify(1)).
+  """
+  rounds, emitted = stats["rounds"], stats["emitted"]
+  narrow = stats.get("narrow_rounds", 0)
+  k = calib["k"]
+  width = calib.get("verify_width", k + 1)  # N + 1 for a tree of N nodes
+  t1, tk, td = calib["t_verify"][1], calib["t_verify"][width], calib["t_draft"]
+  if not rounds:
+    return {"predicted_speedup": None, "theorem_3_8": None, "draft_frac": None}
+  verified = stats.get("verified_tokens", 0)
+  if verified and rounds > narrow:
+    tk = theory.interpolate_cost(calib["t_verify"])((verified - narrow) / (rounds - narrow))
+  cost = rounds * td + narrow * t1 + (rounds - narrow) * tk
+  alpha = report.ratio(stats["accepted"], stats["proposed"])
+  c = td / (k * t1)
+  lev = (float(theory.leviathan_speedup(alpha, k, c)) if math.isfinite(alpha) else None)
+  return {"predicted_speedup": emitted * t1 / cost, "theorem_3_8": lev,
+          "draft_frac": rounds * td / cost}
+
+
+def calibrate(model: Model, c, methods: Sequence[str], unit, sampling) -> dict:
+  """This machine's costs for the prediction column: target forward time for
+  1 and k + 1 tokens at the first prompt's length (plus half the new tokens),
+  and each drafter's proposal time, measured after the benchmark runs (so its
+  compiles do not disturb them)."""
+  tok = model.tokenizer
+  prompt = tok.encode_chat(chat_messages(unit[0].turns[:1], []))
+  fill = len(prompt) + int(c.max_new_tokens) // 2
+  out = {}
+  for m in methods:
+    drafter, dparams = registry.make_drafter(m, c, model, sampling=sampling,
+                                             reference=[[model.cfg.eos_id]],
+                                             reference_width=int(c.max_new_tokens))
+    k = drafter.k
+    # widths 1, 2, the middle and k + 1: shorter chains are priced from this curve
+    # (linear between the measured widths); a tree's verify width is its node count + 1
+    width = drafter.verify_width
+    ns = tuple(sorted({1, 2, (k + 2) // 2 + (k == 1), k + 1, width}))
+    curve = calibration_lib.forward_cost_curve(model.params, model.cfg, ns=ns, fill=fill)
+    t_draft = calibration_lib.draft_cost(model.params, model.cfg, drafter, dparams, prompt,
+                                         sampling=sampling)
+    out[m] = {"k": k, "t_verify": {int(n): t for n, t in curve.items()}, "t_draft": t_draft,
+              "fill": fill, "verify_width": width, "tree": bool(drafter.tree)}
+  return out
+
+
+def read_calibration(path: str) -> dict:
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    raw = json.load(f)
+  for v in raw.values():  # JSON object keys are strings
+    v["t_verify"] = {int(n): t for n, t in v["t_verify"].items()}
+  return raw
