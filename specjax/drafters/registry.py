@@ -47,6 +47,9 @@ A method name may carry its own field values after '@', so one run compares
 settings side by side: 'eagle3_tree@tree_nodes=8', 'eagle@k=2@draft_vocab=full'
 (each record keeps the full name).
 
+Each method is one row of `BUILDERS` (name -> builder(Request) -> (drafter,
+draft params)); `register(name, build)` adds one.
+
 Drafters that sample (draft model, layer skip) draw with the target's own
 sampling settings, read from the config's temperature / top_k / top_p unless
 `sampling=` is given: one SamplingConfig for draft and target.
@@ -87,29 +90,68 @@ _CHECKPOINT_KIND = {"medusa": "medusa", "blockwise": "medusa", "eagle": "eagle",
                     "eagle3": "eagle3", "medusa_tree": "medusa", "eagle_tree": "eagle",
                     "eagle3_tree": "eagle3"}
 LOOKAHEAD_METHODS = ("lookahead", "lookahead_tree")
-# Lookahead's settings (window, ngram, ...) are its dataclass fields, '@'-settable
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSettings:
+  """Every drafting method's settings: one name and one default each (a method
+  reads the ones it uses; the module docstring says which). `of(config)` builds
+  them once, at the boundary, from a run's ConfigDict, a dict or None; the
+  builders below read only these."""
+
+  k: Any = 4  # draft length (a tree's depth)
+  max_ngram: Any = 3  # prompt_lookup
+  min_ngram: Any = 1  # prompt_lookup
+  layers: Any = None  # layer_skip, e.g. '0-9' (None: the first third)
+  draft_model: Any = None  # draft_model, e.g. 'self:10' (None: the shipped or 'self:L/3')
+  checkpoint: Any = None  # trained drafters (None: the shipped checkpoint)
+  draft_vocab: Any = None  # eagle(3), distilled draft model: 'full' or N tokens
+  # draft_model, eagle(3) chains: dynamic draft length, stop drafting a row once the
+  # product of the drafter's confidences in its guesses falls below this (0: off)
+  draft_stop: Any = 0.0
+  # trees (medusa_tree, ...): node budget, sibling draws (wor / iid / topk)
+  tree_nodes: Any = 16
+  tree_mode: Any = "wor"
+  tree_topk: Any = 4  # eagle(3)_tree: children per expanded node
+  tree_width: Any = 4  # eagle(3)_tree: nodes expanded per depth
+  # Lookahead's own fields (`lookahead.Lookahead`; None: its defaults), set per
+  # method: 'lookahead@window=4@ngram=3'
+  window: Any = None
+  ngram: Any = None
+  max_candidates: Any = None
+  pool_size: Any = None
+  select: Any = None
+  next_token: Any = None
+
+  @classmethod
+  def of(cls, config, overrides: Optional[dict] = None) -> "DrafterSettings":
+    """From a ConfigDict, dict, object with these attributes, DrafterSettings
+    or None (missing or None fields take the defaults), then `overrides`."""
+    if isinstance(config, cls) and not overrides:
+      return config
+    values = {}
+    for f in dataclasses.fields(cls):
+      value = overrides[f.name] if overrides and f.name in overrides else _field(config, f.name)
+      if value is not None:
+        # numpy scalars from array-valued configs as plain Python numbers
+        values[f.name] = value.item() if isinstance(value, np.generic) else value
+    return cls(**values)
+
+
 _LOOKAHEAD_FIELDS = frozenset(f.name for f in dataclasses.fields(Lookahead) if f.init)
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DrafterSettings)
+                      if f.name not in ("window", "ngram", "max_candidates", "pool_size",
+                                        "select", "next_token"))
 
 
 def add_config_fields(c) -> None:
-  """The drafter fields every run config carries (None: the method's default)."""
+  """The drafter fields every run config carries (DrafterSettings' defaults;
+  Lookahead's own fields are set per method with '@'), and the device mesh."""
   import ml_collections  # pylint: disable=import-outside-toplevel
 
-  c.k = 4  # draft length
-  c.max_ngram = 3  # prompt_lookup
-  c.min_ngram = 1  # prompt_lookup
-  c.layers = ml_collections.config_dict.placeholder(str)  # layer_skip, e.g. '0-9'
-  c.draft_model = ml_collections.config_dict.placeholder(str)  # draft_model, e.g. 'self:10'
-  c.checkpoint = ml_collections.config_dict.placeholder(str)  # trained drafters (medusa, ...)
-  c.draft_vocab = ml_collections.config_dict.placeholder(str)  # eagle(3): 'full' or N tokens
-  # draft_model, eagle(3) chains: dynamic draft length, stop drafting a row once the
-  # product of the drafter's confidences in its guesses falls below this (0: off)
-  c.draft_stop = 0.0
-  # trees (medusa_tree, ...): node budget, sibling draws (wor / iid / topk)
-  c.tree_nodes = 16
-  c.tree_mode = "wor"
-  c.tree_topk = 4  # eagle(3)_tree: children per expanded node
-  c.tree_width = 4  # eagle(3)_tree: nodes expanded per depth
+  for name in CONFIG_FIELDS:
+    default = getattr(DrafterSettings, name)
+    setattr(c, name, ml_collections.config_dict.placeholder(str) if default is None else default)
   # device mesh 'data,model' (e.g. '2,4': batch over 2, weights over 4; specjax.sharding);
   # '' runs on the default device
   c.mesh = ""
@@ -128,22 +170,6 @@ def apply_variants(c, arg, config_name: str) -> None:
       raise ValueError(f"unknown variant {variant!r} of {config_name} (sample, bf16)")
 
 
-def _config_fields() -> frozenset:
-  fields = {}
-  add_config_fields(_Fields(fields))
-  return frozenset(fields)
-
-
-class _Fields:
-  """Collects the names add_config_fields sets."""
-
-  def __init__(self, store):
-    object.__setattr__(self, "_store", store)
-
-  def __setattr__(self, name, value):
-    self._store[name] = value
-
-
 def _parse_value(text: str):
   for kind in (int, float):
     try:
@@ -156,9 +182,9 @@ def _parse_value(text: str):
 def parse_method(method: str) -> tuple[str, dict]:
   """'eagle3_tree@tree_nodes=8@k=3' -> ('eagle3_tree', {'tree_nodes': 8, 'k': 3})."""
   base, *parts = str(method).split("@")
-  allowed = _config_fields()
+  allowed = set(CONFIG_FIELDS)
   if base in LOOKAHEAD_METHODS:
-    allowed = allowed | _LOOKAHEAD_FIELDS
+    allowed |= _LOOKAHEAD_FIELDS
   overrides = {}
   for part in parts:
     key, sep, value = part.partition("=")
@@ -172,33 +198,17 @@ def parse_method(method: str) -> tuple[str, dict]:
   return base, overrides
 
 
-class _Overlay:
-  """A config seen through a method's own field values."""
-
-  def __init__(self, base, overrides):
-    self._base, self._overrides = base, overrides
-
-  def __getattr__(self, name):
-    if name.startswith("_"):
-      raise AttributeError(name)
-    if name in self._overrides:
-      return self._overrides[name]
-    return _field(self._base, name)
-
-  def get(self, name, default=None):
-    value = getattr(self, name)
-    return default if value is None else value
-
-
-def method_config(method: str, config) -> tuple[str, Any]:
-  """(base method name, the config with the method's '@' field values applied)."""
+def method_config(method: str, config) -> tuple[str, DrafterSettings]:
+  """(base method name, its DrafterSettings: the config's fields with the
+  method's own '@' values applied)."""
   base, overrides = parse_method(method)
-  return base, (_Overlay(config, overrides) if overrides else config)
+  return base, DrafterSettings.of(config, overrides)
 
 
 def available_methods() -> tuple:
-  """Method names make_drafter accepts."""
-  return BUILTIN + LOOKAHEAD_METHODS
+  """Method names make_drafter accepts (the built-in ones, then any registered)."""
+  return BUILTIN + LOOKAHEAD_METHODS + tuple(m for m in BUILDERS if m not in BUILTIN
+                                             and m not in LOOKAHEAD_METHODS)
 
 
 def _field(config, name: str, default=None):
@@ -213,11 +223,6 @@ def _field(config, name: str, default=None):
     except (AttributeError, KeyError):
       value = None
   return default if value is None else value
-
-
-def _k(config) -> int:
-  k = _field(config, "k", 4)
-  return int(k) if isinstance(k, (int, np.integer)) and not isinstance(k, bool) else k
 
 
 def sampling_of(config) -> sampling_lib.SamplingConfig:
@@ -331,10 +336,10 @@ def drafter_id(method: str, config, target_model=None) -> Optional[str]:
   path relative to the shipped ones when it is shipped, plus the draft
   vocabulary choice; for the draft model its spec; None for training-free
   drafters."""
-  method, config = method_config(method, config)
-  vocab = _field(config, "draft_vocab")
+  method, settings = method_config(method, config)
+  vocab = settings.draft_vocab
   if method == "draft_model":
-    spec = _field(config, "draft_model")
+    spec = settings.draft_model
     if spec is None and target_model is not None:
       spec = default_draft_model(target_model)
     if spec == "distilled":
@@ -346,17 +351,17 @@ def drafter_id(method: str, config, target_model=None) -> Optional[str]:
     return None if spec is None else spec + (f" (draft_vocab={vocab})" if vocab else "")
   if method not in _CHECKPOINT_KIND:
     return None
-  path = _relative(_field(config, "checkpoint") or shipped_checkpoint(_CHECKPOINT_KIND[method]))
+  path = _relative(settings.checkpoint or shipped_checkpoint(_CHECKPOINT_KIND[method]))
   vocab = vocab if method.startswith("eagle") else None
   return path + (f" (draft_vocab={vocab})" if vocab else "")
 
 
-def _trained(method: str, config, target_model):
-  """A trained drafter's params from `config.checkpoint` or the shipped one;
+def _trained(method: str, settings: DrafterSettings, target_model):
+  """A trained drafter's params from `settings.checkpoint` or the shipped one;
   the checkpoint's target fingerprint must match this target."""
 
   kind = _CHECKPOINT_KIND[method]
-  path = _field(config, "checkpoint") or shipped_checkpoint(kind)
+  path = settings.checkpoint or shipped_checkpoint(kind)
   params, _ = checkpoints.load_drafter(path, target_model.params, target_model.cfg, method=kind)
   return params
 
@@ -367,11 +372,11 @@ def medusa_tree_choices(top1, nodes: int) -> tuple:
   return tree_from_accuracies(geometric_accuracies(top1, max(1, min(nodes, 16))), nodes)
 
 
-def _lookahead(config, k: int, tree: bool = False):
+def _lookahead(settings: DrafterSettings, tree: bool = False):
   cls = LookaheadTree if tree else Lookahead
-  kwargs = {f.name: _field(config, f.name) for f in dataclasses.fields(cls)
-            if f.init and f.name != "k" and _field(config, f.name) is not None}
-  return cls(k=None if tree else k, **kwargs)  # a trie's depth is N - 1
+  kwargs = {name: getattr(settings, name) for name in _LOOKAHEAD_FIELDS - {"k"}
+            if getattr(settings, name) is not None}
+  return cls(k=None if tree else settings.k, **kwargs)  # a trie's depth is N - 1
 
 
 def make_drafter(method: str, config, target_model, *, reference=None,
@@ -397,73 +402,141 @@ def _make_drafter(method: str, config, target_model, *, reference=None,
 
   Args:
     method: one of `available_methods()`.
-    config: fields of the method (see the module docstring).
+    config: the method's settings: DrafterSettings, or a config / dict with
+      its fields (see the module docstring), read once into DrafterSettings.
     target_model: a `specjax.io.load.Model` (params, cfg) the drafter serves.
     reference: replay only: per-row reference continuations (token lists).
     sampling: the target's sampling settings (default: from the config).
     reference_width: replay only: pad the references to this many tokens.
   """
-  method, config = method_config(method, config)
+  base, settings = method_config(method, config)
   methods = available_methods()
-  if method not in methods:
-    raise ValueError(f"unknown drafting method {method!r}; available: {', '.join(methods)}")
-  k = _k(config)
-  sampling = sampling or sampling_of(config)
-  cfg = target_model.cfg
-  if method == "prompt_lookup":
-    return PromptLookup(k=k, max_ngram=int(_field(config, "max_ngram", 3)),
-                        min_ngram=int(_field(config, "min_ngram", 1))), None
-  if method == "layer_skip":
-    layers = parse_layers(_field(config, "layers", default_layers(cfg.num_layers)),
-                          cfg.num_layers)
-    return LayerSkip(k=k, layers=layers, sampling=sampling), None
-  if method == "draft_model":
-    spec = str(_field(config, "draft_model") or default_draft_model(target_model))
-    draft_params, draft_cfg = _draft_model(spec, target_model, _field(config, "draft_vocab"))
-    return DraftModel(k=k, cfg=draft_cfg, sampling=sampling,
-                      stop_below=float(_field(config, "draft_stop", 0.0))), draft_params
-  if method == "replay":
-    drafter = Replay(k=k)
-    if reference is None:
-      raise ValueError("method 'replay' needs reference continuations (reference=...), e.g. "
-                       "the autoregressive output for the same prompts")
-    return drafter, reference_params(reference, reference_width, cfg.pad_id)
-  if method == "always_reject":
-    return AlwaysReject(k=k), None
-  if method in ("eagle", "eagle3", "eagle_tree", "eagle3_tree"):
-    params = _trained(method, config, target_model)
-    params = eagle.with_draft_vocab(params, _field(config, "draft_vocab"), cfg)
-    fused = method.startswith("eagle3")
-    if method.endswith("_tree"):
-      drafter = eagle.EagleTree(k=k, sampling=sampling, fused=fused,
-                                topk=int(_field(config, "tree_topk", 4)),
-                                width=int(_field(config, "tree_width", 4)),
-                                nodes=int(_field(config, "tree_nodes", 16)),
-                                mode=str(_field(config, "tree_mode", "wor")))
-    else:
-      drafter = eagle.Eagle(k=k, sampling=sampling, fused=fused,
-                            stop_below=float(_field(config, "draft_stop", 0.0)))
-    drafter.check(cfg, params)
-    return drafter, eagle.prepare(params, target_model.params, cfg)
-  if method == "medusa_tree":
-    path = _field(config, "checkpoint") or shipped_checkpoint("medusa")
-    params, card = checkpoints.load_drafter(path, target_model.params, cfg, method="medusa")
-    heads = int(params["w"].shape[0])
-    if k > heads:
-      raise ValueError(f"medusa_tree: depth k={k} needs {k} heads, the checkpoint has {heads}")
-    top1 = [card.get("estimated", {}).get(f"top1_{i}", 0.5 ** (i + 1)) for i in range(k)]
-    nodes = int(_field(config, "tree_nodes", 16))
-    if nodes < 1:
-      raise ValueError(f"tree_nodes must be >= 1, got {nodes}")
-    choices = medusa_tree_choices(top1, nodes)
-    drafter = MedusaTree(k=max(len(c) for c in choices), choices=choices, sampling=sampling,
-                         mode=str(_field(config, "tree_mode", "wor")))
-    drafter.check(cfg, params)
-    return drafter, params
-  if method in _CHECKPOINT_KIND:
-    params = _trained(method, config, target_model)
-    cls = Medusa if method == "medusa" else Blockwise
-    drafter = cls(k=k, sampling=sampling)
-    drafter.check(cfg, params)
-    return drafter, params
-  return _lookahead(config, k, tree=method == "lookahead_tree"), None
+  if base not in methods:
+    raise ValueError(f"unknown drafting method {base!r}; available: {', '.join(methods)}")
+  return BUILDERS[base](Request(method=base, settings=settings, target_model=target_model,
+                                sampling=sampling or sampling_of(config), reference=reference,
+                                reference_width=reference_width))
+
+
+# --- the table: method name -> how to build it -----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """What a builder gets: the method's name and settings, the target model,
+  the sampling settings drafters that sample use; replay's references."""
+
+  method: str
+  settings: DrafterSettings
+  target_model: Any
+  sampling: sampling_lib.SamplingConfig
+  reference: Any = None
+  reference_width: Optional[int] = None
+
+  @property
+  def k(self):
+    return self.settings.k
+
+
+def _prompt_lookup(r: Request):
+  return PromptLookup(k=r.k, max_ngram=int(r.settings.max_ngram),
+                      min_ngram=int(r.settings.min_ngram)), None
+
+
+def _layer_skip(r: Request):
+  num_layers = r.target_model.cfg.num_layers
+  layers = parse_layers(r.settings.layers or default_layers(num_layers), num_layers)
+  return LayerSkip(k=r.k, layers=layers, sampling=r.sampling), None
+
+
+def _draft_model_drafter(r: Request):
+  spec = str(r.settings.draft_model or default_draft_model(r.target_model))
+  draft_params, draft_cfg = _draft_model(spec, r.target_model, r.settings.draft_vocab)
+  return DraftModel(k=r.k, cfg=draft_cfg, sampling=r.sampling,
+                    stop_below=float(r.settings.draft_stop)), draft_params
+
+
+def _replay(r: Request):
+  if r.reference is None:
+    raise ValueError("method 'replay' needs reference continuations (reference=...), e.g. "
+                     "the autoregressive output for the same prompts")
+  return Replay(k=r.k), reference_params(r.reference, r.reference_width,
+                                         r.target_model.cfg.pad_id)
+
+
+def _always_reject(r: Request):
+  return AlwaysReject(k=r.k), None
+
+
+def _eagle(r: Request):
+  cfg, st = r.target_model.cfg, r.settings
+  params = _trained(r.method, st, r.target_model)
+  params = eagle.with_draft_vocab(params, st.draft_vocab, cfg)
+  fused = r.method.startswith("eagle3")
+  if r.method.endswith("_tree"):
+    drafter = eagle.EagleTree(k=r.k, sampling=r.sampling, fused=fused, topk=int(st.tree_topk),
+                              width=int(st.tree_width), nodes=int(st.tree_nodes),
+                              mode=str(st.tree_mode))
+  else:
+    drafter = eagle.Eagle(k=r.k, sampling=r.sampling, fused=fused,
+                          stop_below=float(st.draft_stop))
+  drafter.check(cfg, params)
+  return drafter, eagle.prepare(params, r.target_model.params, cfg)
+
+
+def _medusa_tree(r: Request):
+  cfg, k = r.target_model.cfg, r.k
+  path = r.settings.checkpoint or shipped_checkpoint("medusa")
+  params, card = checkpoints.load_drafter(path, r.target_model.params, cfg, method="medusa")
+  heads = int(params["w"].shape[0])
+  if k > heads:
+    raise ValueError(f"medusa_tree: depth k={k} needs {k} heads, the checkpoint has {heads}")
+  top1 = [card.get("estimated", {}).get(f"top1_{i}", 0.5 ** (i + 1)) for i in range(k)]
+  nodes = int(r.settings.tree_nodes)
+  if nodes < 1:
+    raise ValueError(f"tree_nodes must be >= 1, got {nodes}")
+  choices = medusa_tree_choices(top1, nodes)
+  drafter = MedusaTree(k=max(len(c) for c in choices), choices=choices, sampling=r.sampling,
+                       mode=str(r.settings.tree_mode))
+  drafter.check(cfg, params)
+  return drafter, params
+
+
+def _medusa(r: Request):
+  params = _trained(r.method, r.settings, r.target_model)
+  cls = Medusa if r.method == "medusa" else Blockwise
+  drafter = cls(k=r.k, sampling=r.sampling)
+  drafter.check(r.target_model.cfg, params)
+  return drafter, params
+
+
+def _lookahead_drafter(r: Request):
+  return _lookahead(r.settings, tree=r.method == "lookahead_tree"), None
+
+
+# One row per method: name -> builder(Request) -> (drafter, draft params).
+BUILDERS = {
+    "prompt_lookup": _prompt_lookup,
+    "layer_skip": _layer_skip,
+    "draft_model": _draft_model_drafter,
+    "replay": _replay,
+    "always_reject": _always_reject,
+    "medusa": _medusa,
+    "blockwise": _medusa,
+    "eagle": _eagle,
+    "eagle3": _eagle,
+    "medusa_tree": _medusa_tree,
+    "eagle_tree": _eagle,
+    "eagle3_tree": _eagle,
+    "lookahead": _lookahead_drafter,
+    "lookahead_tree": _lookahead_drafter,
+}
+
+
+def register(name: str, build) -> None:
+  """Add a drafting method: `build(Request) -> (drafter, draft params)`. Its
+  name then works everywhere a method name does (make_drafter, the configs'
+  `method`, the benchmark's `methods`, '@' field values of the config's fields)."""
+  if name in BUILDERS or "@" in name:
+    raise ValueError(f"method name {name!r} is taken or malformed")
+  BUILDERS[name] = build
