@@ -233,13 +233,14 @@ class Eagle(Drafter):
   fused: bool = False  # EAGLE-3
   # > 0: dynamic draft length, stop once the chain's confidence falls below (`sample_chain`)
   stop_below: float = 0.0
-  name = "eagle"
   needs_prefill_hidden = True
+
+  @property
+  def name(self) -> str:
+    return "eagle3" if self.fused else "eagle"
 
   def __post_init__(self):
     super().__post_init__()
-    if self.fused:
-      object.__setattr__(self, "name", "eagle3")
     check_stop_below(self.name, self.stop_below)
     if self.tree and self.stop_below:
       raise ValueError(f"{self.name}: stop_below is for chains (a tree's shape comes from "
@@ -390,11 +391,13 @@ class EagleTree(Eagle):
   nodes: int = 16
   mode: str = "wor"
   tree = True
-  name = "eagle_tree"
+
+  @property
+  def name(self) -> str:
+    return "eagle3_tree" if self.fused else "eagle_tree"
 
   def __post_init__(self):
     super().__post_init__()
-    object.__setattr__(self, "name", "eagle3_tree" if self.fused else "eagle_tree")
     if self.mode not in EAGLE_TREE_MODES:
       raise ValueError(f"{self.name}: mode must be one of {EAGLE_TREE_MODES}, got {self.mode!r}")
     if self.topk < 1 or self.width < 1:
@@ -402,9 +405,7 @@ class EagleTree(Eagle):
     if self.width > self.topk:
       raise ValueError(f"{self.name}: width ({self.width}) cannot exceed topk ({self.topk}): "
                        "depth 1 has only topk nodes to expand")
-    if not self.deterministic_tree and self.nodes != self.candidates:
-      object.__setattr__(self, "nodes", self.candidates)
-    if not 1 <= self.nodes <= self.candidates:
+    if not 1 <= self.num_nodes <= self.candidates:
       raise ValueError(f"{self.name}: nodes must lie in [1, {self.candidates}] (the candidates "
                        f"of topk={self.topk}, width={self.width}, depth {self.k})")
 
@@ -422,12 +423,14 @@ class EagleTree(Eagle):
 
   @property
   def num_nodes(self) -> int:
-    return self.nodes
+    """The verified tree's nodes: `nodes` for deterministic candidates (reranked
+    to that budget); a sampled tree keeps all its candidates."""
+    return self.nodes if self.deterministic_tree else self.candidates
 
   @property
   def block(self) -> int:
     # verify: nodes + 1; the head: its pending pairs (k + 1) + the fed frontier
-    return max(self.nodes + 1, self.k + 1 + (self.k - 1) * self.width + 1)
+    return max(self.num_nodes + 1, self.k + 1 + (self.k - 1) * self.width + 1)
 
   def _children(self, logits, q_sub, key, vocab, vocab_size):
     """Children of P parents of one row: logits (P, Vd) -> tokens (P, K) ids,
@@ -526,10 +529,10 @@ class EagleTree(Eagle):
       q = jax.nn.one_hot(tokens, vsize, dtype=jnp.float32)
     else:
       q = jnp.concatenate(qs, 1)
-    if self.nodes < total:  # rerank (deterministic trees only): the most confident nodes
+    if self.num_nodes < total:  # rerank (deterministic trees only): the most confident nodes
       dep = jnp.concatenate([jnp.full((x.shape[1],), i + 1) for i, x in enumerate(scores)])
       key_ = score - 1e-4 * dep[None]  # ties: parents first
-      _, keep = jax.lax.top_k(key_, self.nodes)
+      _, keep = jax.lax.top_k(key_, self.num_nodes)
       keep = jnp.sort(keep, axis=1)  # node order (topological, siblings in rank order)
       new_index = jnp.cumsum(jnp.zeros((b, total), jnp.int32).at[
           jnp.arange(b)[:, None], keep].set(1), axis=1) - 1
@@ -537,6 +540,6 @@ class EagleTree(Eagle):
       parent = jnp.where(par < 0, -1, jnp.take_along_axis(new_index, jnp.maximum(par, 0), 1))
       tokens = jnp.take_along_axis(tokens, keep, 1)
       q = jnp.take_along_axis(q, keep[..., None], 1)
-    num = jnp.where(ctx.active, self.nodes, 0).astype(jnp.int32)
+    num = jnp.where(ctx.active, self.num_nodes, 0).astype(jnp.int32)
     return (Proposal(tokens=tokens, q=q, num_proposed=num, parent=parent),
             state.replace(cache=cache.with_length(base), base=base), target_cache)

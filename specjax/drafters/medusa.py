@@ -220,8 +220,10 @@ class MedusaTree(Medusa):
 
   def __post_init__(self):
     super().__post_init__()
-    parents, deps, ranks, order = tree_structure(self.choices)
-    object.__setattr__(self, "choices", order)
+    if not (isinstance(self.choices, tuple) and all(isinstance(c, tuple) for c in self.choices)):
+      raise TypeError(f"{self.name}: choices must be a tuple of rank tuples (hashable: the "
+                      f"drafter is a static jit argument), got {self.choices!r}")
+    _, deps, _, _ = tree_structure(self.choices)  # (validates the tree; any node order)
     if self.k != max(deps):
       raise ValueError(f"{self.name}: k ({self.k}) must equal the tree's depth ({max(deps)})")
     if self.mode not in TREE_MODES:

@@ -25,7 +25,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def embed(params: Params, tokens: jax.Array) -> jax.Array:
+def embed(params: dict, tokens: jax.Array) -> jax.Array:
   table = params["embed"]
   if table.dtype == jnp.bfloat16:
     # Gather the raw 16-bit rows. A plain take-then-convert lets XLA rewrite
