@@ -6,6 +6,7 @@ import pytest
 from specjax.benchmarks import datagen
 
 
+@pytest.mark.slow  # generates with every way measured
 def test_ways_side_by_side(tiny_gguf, load_config):
   c = load_config("datagen.py", "quick")
   with c.unlocked():

@@ -24,6 +24,8 @@ from specjax.models import transformer
 from specjax.io import checkpoints
 from specjax.training import draft_train, loop, run
 
+pytestmark = pytest.mark.slow  # tiny distillation runs (~1 min): the full suite, not the fast tier
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, load_config):

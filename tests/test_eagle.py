@@ -20,6 +20,8 @@ from specjax.models import cache as cache_lib
 from specjax.io import checkpoints
 from specjax.training import eagle_train, loop, run
 
+pytestmark = pytest.mark.slow  # tiny EAGLE / EAGLE-3 training runs (~3 min): the full suite, not the fast tier
+
 T1 = sampling_lib.SamplingConfig(temperature=1.0)
 
 

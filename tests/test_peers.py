@@ -117,6 +117,7 @@ def _peers_config(tmp_path, tiny, **overrides):
   return c
 
 
+@pytest.mark.slow  # the whole experiment through transformers
 def test_experiment_end_to_end(tmp_path, tiny):
   c = _peers_config(tmp_path, tiny)
   out = peers_bench.run_peers(c, progress=lambda line: None)
