@@ -6,7 +6,7 @@
 
 import ml_collections
 
-from specjax.analysis import fuzz
+from specjax.testing import fuzz
 
 
 def get_config(arg=None):

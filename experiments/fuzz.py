@@ -15,7 +15,7 @@ from absl import app
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from specjax.analysis import fuzz
+from specjax.testing import fuzz
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/fuzz.py", "Fuzzing configuration.")
 

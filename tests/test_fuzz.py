@@ -4,7 +4,7 @@ checkpoint directories, Spec-Bench prompt files and run settings, mutated
 weights, JSON fields of the wrong type or range), either load sanely or raise
 the library's error for them (`specjax.errors`) -- never another exception, a
 hang, or an unbounded allocation. Hypothesis drives the mutators of
-`specjax.analysis.fuzz` (derandomized, so CI sees the same inputs every run);
+`specjax.testing.fuzz` (derandomized, so CI sees the same inputs every run);
 experiments/fuzz.py runs the same mutators for as long as one likes.
 """
 
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from specjax import errors
 from specjax import sampling as sampling_lib
-from specjax.analysis import fuzz
+from specjax.testing import fuzz
 from specjax.benchmarks import questions
 from specjax.drafters import registry
 from specjax.io import gguf as gguf_io

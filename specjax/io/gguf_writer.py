@@ -4,7 +4,7 @@ its rotary convention, the metadata keys specjax.io.gguf reads).
 
 The inverse of specjax.io.gguf.load_gguf for the tensors' values (up to each
 tensor's quantization): tests write known params and read them back, and the
-fuzzer (specjax.analysis.fuzz) writes the valid files it then corrupts.
+fuzzer (specjax.testing.fuzz) writes the valid files it then corrupts.
 
   write_llama_gguf(path, cfg, params, tokenizer=TokenizerFields(...),
                    qtypes={"blk.0.ffn_gate.weight": "Q4_1", ...})

@@ -1,0 +1,1 @@
+"""Testing tools the library ships: the file fuzzer (specjax.testing.fuzz)."""
