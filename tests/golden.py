@@ -32,7 +32,8 @@ from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters.draft_model import DraftModel
-from specjax.drafters.eagle import Eagle, EagleTree, init_head, prepare
+from specjax.drafters.eagle import Eagle, init_head, prepare
+from specjax.drafters.eagle_tree import EagleTree
 from specjax.drafters.layer_skip import LayerSkip
 from specjax.drafters.lookahead import Lookahead, LookaheadTree
 from specjax.drafters.medusa import Blockwise, Medusa, MedusaTree
@@ -80,7 +81,7 @@ def tiny_drafters(sampling, target, draft, heads, eagle_heads, eagle3_heads, ref
   s = sampling
   return {
       "draft_model": (DraftModel(k=3, cfg=DCFG, sampling=s), draft),
-      "draft_model_stop": (DraftModel(k=3, cfg=DCFG, sampling=s, stop_below=0.3), draft),
+      "draft_model_stop": (DraftModel(k=3, cfg=DCFG, sampling=s, draft_stop=0.3), draft),
       "layer_skip": (LayerSkip(k=3, layers=(0,), sampling=s), None),
       "prompt_lookup": (PromptLookup(k=3), None),
       "replay": (Replay(k=4), replay_params(reference)),
@@ -90,11 +91,11 @@ def tiny_drafters(sampling, target, draft, heads, eagle_heads, eagle3_heads, ref
       "eagle": (Eagle(k=3, sampling=s), eagle_heads),
       "eagle3": (Eagle(k=3, sampling=s, fused=True), eagle3_heads),
       "medusa_tree": (MedusaTree(k=2, choices=TREE, sampling=s), heads),
-      "eagle_tree": (EagleTree(k=2, topk=3, width=2, nodes=8, sampling=s), eagle_heads),
-      "eagle3_tree": (EagleTree(k=2, topk=3, width=2, nodes=5, mode="topk", fused=True,
+      "eagle_tree": (EagleTree(k=2, tree_topk=3, tree_width=2, tree_nodes=8, sampling=s), eagle_heads),
+      "eagle3_tree": (EagleTree(k=2, tree_topk=3, tree_width=2, tree_nodes=5, tree_mode="topk", fused=True,
                                 sampling=s), eagle3_heads),
-      "lookahead": (Lookahead(window=2, ngram=3, max_candidates=3, pool_size=16), None),
-      "lookahead_tree": (LookaheadTree(window=2, ngram=3, max_candidates=3, pool_size=16), None),
+      "lookahead": (Lookahead(k=2, window=2, ngram=3, max_candidates=3, pool_size=16), None),
+      "lookahead_tree": (LookaheadTree(k=2, window=2, ngram=3, max_candidates=3, pool_size=16), None),
   }
 
 

@@ -29,6 +29,7 @@ from specjax import sampling as sampling_lib  # pylint: disable=wrong-import-pos
 from specjax.analysis import sharded_identity  # pylint: disable=wrong-import-position
 from specjax.decoding import autoregressive as ar  # pylint: disable=wrong-import-position
 from specjax.drafters import eagle  # pylint: disable=wrong-import-position
+from specjax.drafters import eagle_tree  # pylint: disable=wrong-import-position
 from specjax.drafters import lookahead as la  # pylint: disable=wrong-import-position
 from specjax.drafters.draft_model import DraftModel  # pylint: disable=wrong-import-position
 from specjax.drafters.layer_skip import LayerSkip  # pylint: disable=wrong-import-position
@@ -79,7 +80,7 @@ def tiny_methods(params, reference):
     return eagle.prepare(h, params, CFG)
 
   heads_e, heads_e3 = head(False), head(True)
-  look = dict(window=4, ngram=3, max_candidates=4, pool_size=32)
+  look = dict(k=2, window=4, ngram=3, max_candidates=4, pool_size=32)
 
   def methods(s):
     return [
@@ -94,7 +95,7 @@ def tiny_methods(params, reference):
         ("medusa_tree", MedusaTree(k=3, choices=choices, sampling=s), heads),
         ("eagle", eagle.Eagle(k=3, sampling=s), heads_e),
         ("eagle3", eagle.Eagle(k=3, sampling=s, fused=True), heads_e3),
-        ("eagle_tree", eagle.EagleTree(k=3, topk=2, width=2, nodes=6, sampling=s), heads_e),
+        ("eagle_tree", eagle_tree.EagleTree(k=3, tree_topk=2, tree_width=2, tree_nodes=6, sampling=s), heads_e),
         ("lookahead", la.Lookahead(**look), None),
         ("lookahead_tree", la.LookaheadTree(**look), None),
     ]

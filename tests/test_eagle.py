@@ -14,7 +14,7 @@ import pytest
 from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
-from specjax.drafters import eagle
+from specjax.drafters import eagle, eagle_tree
 from specjax.drafters.base import Context, Target
 from specjax.models import cache as cache_lib
 from specjax.io import checkpoints
@@ -107,7 +107,7 @@ def test_greedy_eagle_equals_ar(trained, tiny_target, name):
   assert res.tokens == ref
   assert res.stats["accepted"] > 0
   # dynamic draft length: rows stop drafting when the head is unsure
-  dyn = sp.generate(m.params, m.cfg, eagle.Eagle(k=3, fused=name == "eagle3", stop_below=0.5),
+  dyn = sp.generate(m.params, m.cfg, eagle.Eagle(k=3, fused=name == "eagle3", draft_stop=0.5),
                     prompts, draft_params=params, max_new_tokens=20)
   assert dyn.tokens == ref
   width = lambda r: r.stats["verified_tokens"] / r.stats["rounds"]  # pylint: disable=unnecessary-lambda-assignment
@@ -258,7 +258,7 @@ def test_tree_state_equals_a_fresh_prefill_after_each_round(trained, tiny_target
   those of a head freshly prefilled on the committed prefix."""
   m = tiny_target
   dparams, _ = _load(trained, "eagle3", m)
-  drafter = eagle.EagleTree(k=3, topk=2, width=2, nodes=6, fused=True)
+  drafter = eagle_tree.EagleTree(k=3, tree_topk=2, tree_width=2, tree_nodes=6, fused=True)
   spec = sp.SpecConfig(sampling=sampling_lib.GREEDY)
   state = sp.start(m.params, m.cfg, drafter, [[5, 9, 3, 17, 4, 22, 7], [8, 8, 30]],
                    draft_params=dparams, key=3, max_new_tokens=40, spec=spec)

@@ -25,7 +25,8 @@ from specjax.analysis import montecarlo as mc
 from specjax.decoding import batch as batch_lib
 from specjax.decoding import speculative as sp
 from specjax.drafters.draft_model import DraftModel, with_draft_vocab
-from specjax.drafters.eagle import Eagle, EagleTree, init_head, prepare
+from specjax.drafters.eagle import Eagle, init_head, prepare
+from specjax.drafters.eagle_tree import EagleTree
 from specjax.drafters.layer_skip import LayerSkip
 from specjax.drafters.lookahead import LookaheadTree
 from specjax.drafters.medusa import Blockwise, Medusa, MedusaTree
@@ -64,7 +65,7 @@ SETTINGS = [
     ("draft_model-T0.7-k1-B4", DraftModel(k=1, cfg=DCFG, sampling=T1), T07, PROMPTS4),
     # Dynamic draft length: each row stops drafting once its confidence
     # product falls below 0.3, verified at the narrowest width holding every row.
-    ("draft_model-stop-T1-k3-B4", DraftModel(k=3, cfg=DCFG, sampling=T1, stop_below=0.3), T1,
+    ("draft_model-stop-T1-k3-B4", DraftModel(k=3, cfg=DCFG, sampling=T1, draft_stop=0.3), T1,
      PROMPTS4),
     ("layer_skip-topk-k5-B1", LayerSkip(k=5, layers=(0,), sampling=T1), TOPK, PROMPTS1),
     ("prompt_lookup-topp-k3-B4", PromptLookup(k=3, max_ngram=2), TOPP, PROMPTS4),
@@ -81,25 +82,25 @@ SETTINGS = [
     # siblings without replacement (Gumbel-top-k), i.i.d. (SpecInfer), and
     # the heads' top-k as deterministic candidates (one-hot q).
     ("medusa_tree-wor-T1-B4", MedusaTree(k=2, choices=TREE, sampling=T07), T1, PROMPTS4),
-    ("medusa_tree-iid-topp-B1", MedusaTree(k=2, choices=TREE, mode="iid", sampling=T1), TOPP,
+    ("medusa_tree-iid-topp-B1", MedusaTree(k=2, choices=TREE, tree_mode="iid", sampling=T1), TOPP,
      PROMPTS1),
-    ("medusa_tree-topk-T0.7-B1", MedusaTree(k=2, choices=TREE, mode="topk"), T07, PROMPTS1),
+    ("medusa_tree-topk-T0.7-B1", MedusaTree(k=2, choices=TREE, tree_mode="topk"), T07, PROMPTS1),
     # EAGLE-2 dynamic trees: sampled children kept whole (wor), and EAGLE-3's
     # deterministic top-k candidates reranked to a node budget (reduced vocabulary).
-    ("eagle_tree-wor-T1-B4", EagleTree(k=2, topk=3, width=2, sampling=T07), T1, PROMPTS4),
-    ("eagle3_tree-topk-T1-B1", EagleTree(k=2, topk=3, width=2, nodes=5, mode="topk",
+    ("eagle_tree-wor-T1-B4", EagleTree(k=2, tree_topk=3, tree_width=2, sampling=T07), T1, PROMPTS4),
+    ("eagle3_tree-topk-T1-B1", EagleTree(k=2, tree_topk=3, tree_width=2, tree_nodes=5, tree_mode="topk",
                                          fused=True, sampling=T1), T1, PROMPTS1),
     # Both exact sampled tree modes under every sampling mode (with the
     # members above: wor at T = 1 and top-p here, T = 0.7 in the PIT test;
     # iid at top-p above, T = 1 and T = 0.7 here).
-    ("eagle_tree-wor-topp-B1", EagleTree(k=2, topk=3, width=2, sampling=TOPP), TOPP, PROMPTS1),
-    ("medusa_tree-iid-T1-B4", MedusaTree(k=2, choices=TREE, mode="iid", sampling=T1), T1,
+    ("eagle_tree-wor-topp-B1", EagleTree(k=2, tree_topk=3, tree_width=2, sampling=TOPP), TOPP, PROMPTS1),
+    ("medusa_tree-iid-T1-B4", MedusaTree(k=2, choices=TREE, tree_mode="iid", sampling=T1), T1,
      PROMPTS4),
-    ("medusa_tree-iid-T0.7-B1", MedusaTree(k=2, choices=TREE, mode="iid", sampling=T07), T07,
+    ("medusa_tree-iid-T0.7-B1", MedusaTree(k=2, choices=TREE, tree_mode="iid", sampling=T07), T07,
      PROMPTS1),
     # Lookahead's G candidates (deterministic, one-hot q) merged into a trie
     # with duplicates marked out of the tree, one tree forward.
-    ("lookahead_tree-T0.7-B4", LookaheadTree(window=2, ngram=3, max_candidates=3, pool_size=16),
+    ("lookahead_tree-T0.7-B4", LookaheadTree(k=2, window=2, ngram=3, max_candidates=3, pool_size=16),
      T07, PROMPTS4),
 ]
 
@@ -321,8 +322,8 @@ def test_negative_control_is_rejected(models, name, drafter, sampling, spec_kw):
 # lossy) -- must be rejected; the TV distance of its output from the target's
 # is printed (pytest -s) for the record.
 LOSSY_TREES = [
-    ("medusa_tree-topk_q-T1", MedusaTree(k=2, choices=TREE, mode="topk_q", sampling=T1), T1),
-    ("eagle3_tree-topk_q-T1", EagleTree(k=2, topk=3, width=2, nodes=5, mode="topk_q",
+    ("medusa_tree-topk_q-T1", MedusaTree(k=2, choices=TREE, tree_mode="topk_q", sampling=T1), T1),
+    ("eagle3_tree-topk_q-T1", EagleTree(k=2, tree_topk=3, tree_width=2, tree_nodes=5, tree_mode="topk_q",
                                         fused=True, sampling=T1), T1),
 ]
 

@@ -22,7 +22,7 @@ from specjax.models.config import tiny_config
 CFG = tiny_config(eos_id=2, pad_id=0, tie_embeddings=False)
 # One drafter, one token budget, prompts of at most 7 tokens: every generation
 # below reuses the same compiled prefill / decode.
-DRAFTER = la.Lookahead(window=4, ngram=3, max_candidates=4, pool_size=32)
+DRAFTER = la.Lookahead(k=2, window=4, ngram=3, max_candidates=4, pool_size=32)
 NEW = 24
 PROMPTS = [[5, 9, 13], [7, 11, 3, 20, 31, 8, 4], [17]]
 SHORT = [3, 4, 5, 6, 7]  # period 5
@@ -152,7 +152,7 @@ def test_choice_of_the_single_proposal(next_token):
   """Candidates for `last` = 5, most recent first: (6 7), (8 9). With
   next-token ranking the first candidate agreeing with the target's greedy
   next token wins; if none agrees, that token and its own best continuation."""
-  d = la.Lookahead(window=2, ngram=3, max_candidates=4, pool_size=4, next_token=next_token)
+  d = la.Lookahead(k=2, window=2, ngram=3, max_candidates=4, pool_size=4, next_token=next_token)
   pool = _insert(la.empty_pool(1, 4, 3), [(5, 8, 9), (5, 6, 7), (4, 3, 1)])
   choose = lambda nxt: [np.asarray(x[0]).tolist() for x in
                         d.choose(pool, jnp.asarray([5]), jnp.asarray([nxt]))]
@@ -260,7 +260,7 @@ def test_jacobi_window_alone_finds_the_continuation(periodic):
 
 # --- G candidates at once: the trie through the tree verifier -------------------
 
-TREE_DRAFTER = la.LookaheadTree(window=4, ngram=3, max_candidates=4, pool_size=32)
+TREE_DRAFTER = la.LookaheadTree(k=2, window=4, ngram=3, max_candidates=4, pool_size=32)
 
 
 def test_candidates_merge_into_a_trie():

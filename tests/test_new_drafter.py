@@ -20,7 +20,8 @@ from specjax.analysis import montecarlo as mc
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos, one_hot_q
+from specjax.drafters.base import Drafter, Proposal
+from specjax.drafters.chain import cut_at_eos, one_hot_q
 
 
 # --- the new drafter: one class ...

@@ -103,7 +103,7 @@ def test_autoregressive_stops_before_the_first_nonfinite_token(target, sampling)
 @pytest.mark.parametrize("make_drafter", [
     lambda s: PromptLookup(k=3, max_ngram=2),
     lambda s: DraftModel(k=3, cfg=DCFG, sampling=s),
-    lambda s: la.LookaheadTree(window=4, ngram=3, max_candidates=4, pool_size=32),
+    lambda s: la.LookaheadTree(k=2, window=4, ngram=3, max_candidates=4, pool_size=32),
 ], ids=["prompt_lookup", "draft_model", "lookahead_tree"])
 @pytest.mark.parametrize("sampling", [sampling_lib.GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_speculative_stops_before_the_first_nonfinite_token(target, draft, make_drafter,

@@ -92,16 +92,16 @@ def test_dynamic_draft_length(target, draft, reference):
   full = sp.generate(target, CFG, DraftModel(k=3, cfg=DCFG), PROMPTS, draft_params=draft,
                      max_new_tokens=NEW)
   assert full.stats["verified_tokens"] == 4 * full.stats["rounds"]
-  dyn = sp.generate(target, CFG, DraftModel(k=3, cfg=DCFG, stop_below=0.6), PROMPTS,
+  dyn = sp.generate(target, CFG, DraftModel(k=3, cfg=DCFG, draft_stop=0.6), PROMPTS,
                     draft_params=draft, max_new_tokens=NEW)
   assert dyn.tokens == reference
   assert 2 * dyn.stats["rounds"] <= dyn.stats["verified_tokens"] < 4 * dyn.stats["rounds"]
-  tiny = sp.generate(target, CFG, DraftModel(k=3, cfg=DCFG, stop_below=1e-30), PROMPTS,
+  tiny = sp.generate(target, CFG, DraftModel(k=3, cfg=DCFG, draft_stop=1e-30), PROMPTS,
                      draft_params=draft, max_new_tokens=NEW)
   assert tiny.tokens == reference and tiny.stats == full.stats
   for bad in (-0.1, 1.0):
-    with pytest.raises(ValueError, match="stop_below"):
-      DraftModel(k=3, cfg=DCFG, stop_below=bad)
+    with pytest.raises(ValueError, match="draft_stop"):
+      DraftModel(k=3, cfg=DCFG, draft_stop=bad)
 
 
 def test_eos_and_limits_cut_accepted_blocks(target, reference):

@@ -287,12 +287,13 @@ def _eagle_head(fused, seed=9):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["eagle", "eagle3-reduced"])
 def test_greedy_eagle_tree_equals_ar(fused):
-  from specjax.drafters.eagle import Eagle, EagleTree  # pylint: disable=import-outside-toplevel
+  from specjax.drafters.eagle import Eagle  # pylint: disable=import-outside-toplevel
+  from specjax.drafters.eagle_tree import EagleTree  # pylint: disable=import-outside-toplevel
   head = _eagle_head(fused)
   prompts = [[5, 9, 3, 17, 4], [8, 8, 30], [2]]
   ref = ar.generate(PARAMS, CFG, prompts, max_new_tokens=24).tokens
-  tree = sp.generate(PARAMS, CFG, EagleTree(k=3, topk=3, width=2, nodes=8, fused=fused),
-                     prompts, draft_params=head, max_new_tokens=24)
+  drafter = EagleTree(k=3, tree_topk=3, tree_width=2, tree_nodes=8, fused=fused)
+  tree = sp.generate(PARAMS, CFG, drafter, prompts, draft_params=head, max_new_tokens=24)
   chain = sp.generate(PARAMS, CFG, Eagle(k=3, fused=fused), prompts, draft_params=head,
                       max_new_tokens=24)
   assert tree.tokens == ref and chain.tokens == ref
@@ -300,14 +301,14 @@ def test_greedy_eagle_tree_equals_ar(fused):
 
 
 def test_eagle_tree_settings_are_checked():
-  from specjax.drafters.eagle import EagleTree  # pylint: disable=import-outside-toplevel
-  with pytest.raises(ValueError, match="cannot exceed topk"):
-    EagleTree(k=2, topk=2, width=3)
+  from specjax.drafters.eagle_tree import EagleTree  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="cannot exceed tree_topk"):
+    EagleTree(k=2, tree_topk=2, tree_width=3)
   with pytest.raises(ValueError, match="mode must be one of"):
-    EagleTree(k=2, mode="fixed")
-  with pytest.raises(ValueError, match="nodes must lie in"):
-    EagleTree(k=2, topk=2, width=1, nodes=9)
+    EagleTree(k=2, tree_mode="fixed")
+  with pytest.raises(ValueError, match="tree_nodes must lie in"):
+    EagleTree(k=2, tree_topk=2, tree_width=1, tree_nodes=9)
   # the exact sampled mode keeps every candidate: topk + (k - 1) width topk
-  sampled = EagleTree(k=3, topk=3, width=2, nodes=5, sampling=sampling_lib.SamplingConfig(1.0))
+  sampled = EagleTree(k=3, tree_topk=3, tree_width=2, tree_nodes=5, sampling=sampling_lib.SamplingConfig(1.0))
   assert sampled.num_nodes == 3 + 2 * 2 * 3
-  assert EagleTree(k=3, topk=3, width=2, nodes=5).num_nodes == 5  # greedy: reranked
+  assert EagleTree(k=3, tree_topk=3, tree_width=2, tree_nodes=5).num_nodes == 5  # greedy: reranked

@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import (Drafter, Proposal, cut_at_eos, draw_from, parse_draft_vocab,
-                                   ranked_vocab, sample_chain, check_stop_below)
+from specjax.drafters.base import Drafter, Proposal
+from specjax.drafters.chain import (chain_widths, check_draft_stop, cut_at_eos, draw_from,
+                                    parse_draft_vocab, ranked_vocab, sample_chain)
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -46,14 +47,18 @@ class DraftModel(Drafter):
   cfg: ModelConfig = None
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
   # > 0: dynamic draft length, stop once the chain's confidence falls below (`sample_chain`)
-  stop_below: float = 0.0
+  draft_stop: float = 0.0
   name = "draft_model"
 
   def __post_init__(self):
     super().__post_init__()
     if self.cfg is None:
       raise ValueError("DraftModel needs the draft model's ModelConfig")
-    check_stop_below(self.name, self.stop_below)
+    check_draft_stop(self.name, self.draft_stop)
+
+  @property
+  def verify_widths(self) -> tuple:
+    return chain_widths(self.k, self.draft_stop)
 
   @property
   def vocab_size(self):
@@ -90,7 +95,7 @@ class DraftModel(Drafter):
       return draw_from(lg, self.sampling, keys, i, params.get("vocab"), self.cfg.vocab_size)
 
     tokens, q, cache, num = sample_chain(step, cache, first, keys, self.k, self.sampling,
-                                         ctx.active, draw=draw, stop_below=self.stop_below)
+                                         ctx.active, draw=draw, draft_stop=self.draft_stop)
     num = cut_at_eos(tokens, num, self.cfg.eos_id)
     return Proposal(tokens=tokens, q=q, num_proposed=num), DraftModelState(cache), target_cache
 

@@ -16,7 +16,8 @@ from typing import Tuple
 import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos, sample_chain
+from specjax.drafters.base import Drafter, Proposal
+from specjax.drafters.chain import cut_at_eos, sample_chain
 from specjax.models import transformer
 
 

@@ -66,7 +66,6 @@ so that this never happens.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import flax
 import jax
@@ -75,7 +74,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from specjax import trees
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos, one_hot_q
+from specjax.drafters.base import Drafter, Proposal
+from specjax.drafters.chain import cut_at_eos, one_hot_q
 from specjax.models import transformer
 
 SELECT = ("recent", "frequent")
@@ -214,13 +214,14 @@ def jacobi_step(target, window: Int[Array, "B N1 W"], length: Int[Array, "B"], c
 class Lookahead(Drafter):
   """Lookahead decoding with window W, n-gram size N, G candidates, pool size P.
 
-  `k` defaults to N - 1 (one whole n-gram continuation); a larger k only pads.
+  `k` is N - 1 for the default N = 4 (one whole n-gram continuation; set it
+  with N: a larger k only pads, a smaller one truncates the continuations).
   `select` ranks the pool's candidates: "recent" or "frequent" (see
   `pool_lookup`); `next_token` pre-verifies their first token (module
   docstring).
   """
 
-  k: Optional[int] = None
+  k: int = 3
   window: int = 8  # W
   ngram: int = 4  # N
   max_candidates: int = 8  # G
@@ -242,8 +243,6 @@ class Lookahead(Drafter):
                        f"{self.max_candidates}, P={self.pool_size}")
     if self.select not in SELECT:
       raise ValueError(f"select must be one of {SELECT}, got {self.select!r}")
-    if self.k is None:
-      object.__setattr__(self, "k", self.ngram - 1)
     super().__post_init__()
 
   @property
@@ -336,7 +335,7 @@ class LookaheadTree(Lookahead):
   the pool's best `max_candidates` continuations of the newest committed
   token, then (with `next_token`) the target's greedy next token followed by
   the pool's best continuation of it, merged into a trie of depth N - 1 and
-  verified in the loop's one tree forward. `k` is the trie's depth (N - 1).
+  verified in the loop's one tree forward. `k` is the trie's depth: N - 1.
   """
 
   tree = True

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos, one_hot_q
+from specjax.drafters.base import Drafter, Proposal
+from specjax.drafters.chain import cut_at_eos, one_hot_q
 from specjax.models import transformer
 
 
@@ -195,7 +196,7 @@ class MedusaTree(Medusa):
   first). The tokens of depth d come from head d - 1:
 
   * greedy target: the head's top-r tokens (rank r);
-  * sampling, mode "wor" (default, exact): a Gumbel-top-k draw from q, i.e.
+  * sampling, tree_mode "wor" (default, exact): a Gumbel-top-k draw from q, i.e.
     sampling without replacement, rank r the r-th draw; node q = q with the
     earlier ranks removed and renormalised;
   * "iid" (exact, SpecInfer): independent draws from q for each rank;
@@ -214,7 +215,7 @@ class MedusaTree(Medusa):
   """
 
   choices: tuple = ((0,),)
-  mode: str = "wor"
+  tree_mode: str = "wor"
   tree = True
   name = "medusa_tree"
 
@@ -226,8 +227,9 @@ class MedusaTree(Medusa):
     _, deps, _, _ = tree_structure(self.choices)  # (validates the tree; any node order)
     if self.k != max(deps):
       raise ValueError(f"{self.name}: k ({self.k}) must equal the tree's depth ({max(deps)})")
-    if self.mode not in TREE_MODES:
-      raise ValueError(f"{self.name}: mode must be one of {TREE_MODES}, got {self.mode!r}")
+    if self.tree_mode not in TREE_MODES:
+      raise ValueError(f"{self.name}: tree_mode must be one of {TREE_MODES}, "
+                       f"got {self.tree_mode!r}")
 
   @property
   def num_nodes(self) -> int:
@@ -235,7 +237,7 @@ class MedusaTree(Medusa):
 
   @property
   def lossy(self) -> bool:
-    return self.mode == "topk_q"
+    return self.tree_mode == "topk_q"
 
   @property
   def block(self) -> int:
@@ -252,14 +254,14 @@ class MedusaTree(Medusa):
     v = logits.shape[-1]
     width = max(ranks) + 1
     q = sampling_lib.probs(logits, self.sampling)  # (B, D, V)
-    if self.sampling.greedy or self.mode in ("topk", "topk_q"):
+    if self.sampling.greedy or self.tree_mode in ("topk", "topk_q"):
       _, top = jax.lax.top_k(logits, width)  # (B, D, R)
       tok_dr = top.astype(jnp.int32)
-      if self.mode == "topk_q" and not self.sampling.greedy:  # LOSSY: q is not one-hot
+      if self.tree_mode == "topk_q" and not self.sampling.greedy:  # LOSSY: q is not one-hot
         q_dr = jnp.broadcast_to(q[:, :, None], (b, self.k, width, v))
       else:
         q_dr = one_hot_q(tok_dr, v)
-    elif self.mode == "wor":
+    elif self.tree_mode == "wor":
       sub = jax.vmap(lambda kk: jax.vmap(lambda i: jax.random.fold_in(kk, i))(
           jnp.arange(self.k)))(keys)  # (B, D)
       g = jax.vmap(jax.vmap(lambda kk: jax.random.gumbel(kk, (v,), jnp.float32)))(sub)

@@ -16,7 +16,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from specjax.drafters.base import Drafter, Proposal, cut_at_eos, one_hot_q
+from specjax.drafters.base import Drafter, Proposal
+from specjax.drafters.chain import cut_at_eos, one_hot_q
 
 
 def find_continuation(history, length, ngram: int):

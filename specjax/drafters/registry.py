@@ -58,7 +58,6 @@ sampling settings, read from the config's temperature / top_k / top_p unless
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import os
 from typing import Any, Optional, Sequence
 
@@ -74,11 +73,15 @@ from specjax.drafters import draft_model as draft_model_lib
 from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.layer_skip import LayerSkip, parse_layers
 from specjax.drafters.lookahead import Lookahead, LookaheadTree
-from specjax.drafters import eagle
+from specjax.drafters import eagle, eagle_tree
 from specjax.drafters.medusa import (Blockwise, Medusa, MedusaTree, geometric_accuracies,
                                      tree_from_accuracies)
 from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.replay import AlwaysReject, Replay, ReplayParams
+# The settings, re-exported: callers name them through the registry.
+from specjax.drafters.settings import (  # pylint: disable=unused-import
+    CONFIG_FIELDS, LOOKAHEAD_FIELDS, LOOKAHEAD_METHODS, DrafterSettings, config_defaults,
+    method_config, parse_method, sampling_of)
 
 BUILTIN = ("prompt_lookup", "layer_skip", "draft_model", "replay", "always_reject", "medusa",
            "blockwise", "eagle", "eagle3", "medusa_tree", "eagle_tree", "eagle3_tree")
@@ -89,155 +92,12 @@ SHIPPED_TARGET = "smollm2-135m"
 _CHECKPOINT_KIND = {"medusa": "medusa", "blockwise": "medusa", "eagle": "eagle",
                     "eagle3": "eagle3", "medusa_tree": "medusa", "eagle_tree": "eagle",
                     "eagle3_tree": "eagle3"}
-LOOKAHEAD_METHODS = ("lookahead", "lookahead_tree")
-
-
-@dataclasses.dataclass(frozen=True)
-class DrafterSettings:
-  """Every drafting method's settings: one name and one default each (a method
-  reads the ones it uses; the module docstring says which). `of(config)` builds
-  them once, at the boundary, from a run's ConfigDict, a dict or None; the
-  builders below read only these."""
-
-  k: Any = 4  # draft length (a tree's depth)
-  max_ngram: Any = 3  # prompt_lookup
-  min_ngram: Any = 1  # prompt_lookup
-  layers: Any = None  # layer_skip, e.g. '0-9' (None: the first third)
-  draft_model: Any = None  # draft_model, e.g. 'self:10' (None: the shipped or 'self:L/3')
-  checkpoint: Any = None  # trained drafters (None: the shipped checkpoint)
-  draft_vocab: Any = None  # eagle(3), distilled draft model: 'full' or N tokens
-  # draft_model, eagle(3) chains: dynamic draft length, stop drafting a row once the
-  # product of the drafter's confidences in its guesses falls below this (0: off)
-  draft_stop: Any = 0.0
-  # trees (medusa_tree, ...): node budget, sibling draws (wor / iid / topk)
-  tree_nodes: Any = 16
-  tree_mode: Any = "wor"
-  tree_topk: Any = 4  # eagle(3)_tree: children per expanded node
-  tree_width: Any = 4  # eagle(3)_tree: nodes expanded per depth
-  # Lookahead's own fields (`lookahead.Lookahead`; None: its defaults), set per
-  # method: 'lookahead@window=4@ngram=3'
-  window: Any = None
-  ngram: Any = None
-  max_candidates: Any = None
-  pool_size: Any = None
-  select: Any = None
-  next_token: Any = None
-
-  @classmethod
-  def of(cls, config, overrides: Optional[dict] = None) -> "DrafterSettings":
-    """From a ConfigDict, dict, object with these attributes, DrafterSettings
-    or None (missing or None fields take the defaults), then `overrides`."""
-    if isinstance(config, cls) and not overrides:
-      return config
-    values = {}
-    for f in dataclasses.fields(cls):
-      value = overrides[f.name] if overrides and f.name in overrides else _field(config, f.name)
-      if value is not None:
-        # numpy scalars from array-valued configs as plain Python numbers
-        values[f.name] = value.item() if isinstance(value, np.generic) else value
-    return cls(**values)
-
-
-_LOOKAHEAD_FIELDS = frozenset(f.name for f in dataclasses.fields(Lookahead) if f.init)
-CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DrafterSettings)
-                      if f.name not in ("window", "ngram", "max_candidates", "pool_size",
-                                        "select", "next_token"))
-
-
-def add_config_fields(c) -> None:
-  """The drafter fields every run config carries (DrafterSettings' defaults;
-  Lookahead's own fields are set per method with '@'), and the device mesh."""
-  import ml_collections  # pylint: disable=import-outside-toplevel
-
-  for name in CONFIG_FIELDS:
-    default = getattr(DrafterSettings, name)
-    setattr(c, name, ml_collections.config_dict.placeholder(str) if default is None else default)
-  # device mesh 'data,model' (e.g. '2,4': batch over 2, weights over 4; specjax.sharding);
-  # '' runs on the default device
-  c.mesh = ""
-
-
-def apply_variants(c, arg, config_name: str) -> None:
-  """The variants shared by run configs, combinable with '+': sample, bf16."""
-  for variant in (arg or "").split("+"):
-    if not variant:
-      continue
-    if variant == "sample":
-      c.temperature, c.top_p = 0.7, 0.9
-    elif variant == "bf16":
-      c.dtype = "bfloat16"
-    else:
-      raise ValueError(f"unknown variant {variant!r} of {config_name} (sample, bf16)")
-
-
-def _parse_value(text: str):
-  for kind in (int, float):
-    try:
-      return kind(text)
-    except ValueError:
-      pass
-  return {"None": None, "true": True, "false": False}.get(text, text)
-
-
-def parse_method(method: str) -> tuple[str, dict]:
-  """'eagle3_tree@tree_nodes=8@k=3' -> ('eagle3_tree', {'tree_nodes': 8, 'k': 3})."""
-  base, *parts = str(method).split("@")
-  allowed = set(CONFIG_FIELDS)
-  if base in LOOKAHEAD_METHODS:
-    allowed |= _LOOKAHEAD_FIELDS
-  overrides = {}
-  for part in parts:
-    key, sep, value = part.partition("=")
-    if not sep or not key:
-      raise ValueError(f"method {method!r}: each '@' must be followed by field=value, "
-                       f"got {part!r}")
-    if key not in allowed:
-      raise ValueError(f"method {method!r}: unknown field {key!r}; fields: "
-                       f"{', '.join(sorted(allowed))}")
-    overrides[key] = _parse_value(value)
-  return base, overrides
-
-
-def method_config(method: str, config) -> tuple[str, DrafterSettings]:
-  """(base method name, its DrafterSettings: the config's fields with the
-  method's own '@' values applied)."""
-  base, overrides = parse_method(method)
-  return base, DrafterSettings.of(config, overrides)
 
 
 def available_methods() -> tuple:
   """Method names make_drafter accepts (the built-in ones, then any registered)."""
   return BUILTIN + LOOKAHEAD_METHODS + tuple(m for m in BUILDERS if m not in BUILTIN
                                              and m not in LOOKAHEAD_METHODS)
-
-
-def _field(config, name: str, default=None):
-  """config.name or config[name]; missing or None -> default."""
-  if config is None:
-    return default
-  if isinstance(config, dict):
-    value = config.get(name)
-  else:
-    try:
-      value = getattr(config, name)
-    except (AttributeError, KeyError):
-      value = None
-  return default if value is None else value
-
-
-def sampling_of(config) -> sampling_lib.SamplingConfig:
-  """The target's sampling settings named by a config (greedy when absent);
-  ConfigValueError for values that are not numbers or out of range."""
-  values = {name: _field(config, name, default)
-            for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0))}
-  for name, value in values.items():
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-      raise ConfigValueError(f"{name} must be a number, got {value!r}")
-  top_k = values["top_k"]
-  if float(top_k) != int(top_k):
-    raise ConfigValueError(f"top_k must be a non-negative integer, got {top_k!r}")
-  return sampling_lib.SamplingConfig(temperature=float(values["temperature"]),
-                                     top_k=int(top_k), top_p=float(values["top_p"]))
 
 
 def default_layers(num_layers: int) -> str:
@@ -374,9 +234,11 @@ def medusa_tree_choices(top1, nodes: int) -> tuple:
 
 def _lookahead(settings: DrafterSettings, tree: bool = False):
   cls = LookaheadTree if tree else Lookahead
-  kwargs = {name: getattr(settings, name) for name in _LOOKAHEAD_FIELDS - {"k"}
+  kwargs = {name: getattr(settings, name) for name in LOOKAHEAD_FIELDS - {"k"}
             if getattr(settings, name) is not None}
-  return cls(k=None if tree else settings.k, **kwargs)  # a trie's depth is N - 1
+  # a chain drafts k tokens; a trie's depth is N - 1
+  ngram = kwargs.get("ngram", Lookahead.__dataclass_fields__["ngram"].default)
+  return cls(k=ngram - 1 if tree else settings.k, **kwargs)
 
 
 def make_drafter(method: str, config, target_model, *, reference=None,
@@ -453,7 +315,7 @@ def _draft_model_drafter(r: Request):
   spec = str(r.settings.draft_model or default_draft_model(r.target_model))
   draft_params, draft_cfg = _draft_model(spec, r.target_model, r.settings.draft_vocab)
   return DraftModel(k=r.k, cfg=draft_cfg, sampling=r.sampling,
-                    stop_below=float(r.settings.draft_stop)), draft_params
+                    draft_stop=float(r.settings.draft_stop)), draft_params
 
 
 def _replay(r: Request):
@@ -474,12 +336,12 @@ def _eagle(r: Request):
   params = eagle.with_draft_vocab(params, st.draft_vocab, cfg)
   fused = r.method.startswith("eagle3")
   if r.method.endswith("_tree"):
-    drafter = eagle.EagleTree(k=r.k, sampling=r.sampling, fused=fused, topk=int(st.tree_topk),
-                              width=int(st.tree_width), nodes=int(st.tree_nodes),
-                              mode=str(st.tree_mode))
+    drafter = eagle_tree.EagleTree(k=r.k, sampling=r.sampling, fused=fused,
+                                   tree_topk=int(st.tree_topk), tree_width=int(st.tree_width),
+                                   tree_nodes=int(st.tree_nodes), tree_mode=str(st.tree_mode))
   else:
     drafter = eagle.Eagle(k=r.k, sampling=r.sampling, fused=fused,
-                          stop_below=float(st.draft_stop))
+                          draft_stop=float(st.draft_stop))
   drafter.check(cfg, params)
   return drafter, eagle.prepare(params, r.target_model.params, cfg)
 
@@ -497,7 +359,7 @@ def _medusa_tree(r: Request):
     raise ValueError(f"tree_nodes must be >= 1, got {nodes}")
   choices = medusa_tree_choices(top1, nodes)
   drafter = MedusaTree(k=max(len(c) for c in choices), choices=choices, sampling=r.sampling,
-                       mode=str(r.settings.tree_mode))
+                       tree_mode=str(r.settings.tree_mode))
   drafter.check(cfg, params)
   return drafter, params
 

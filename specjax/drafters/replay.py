@@ -15,7 +15,8 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import Drafter, Proposal, one_hot_q
+from specjax.drafters.base import Drafter, Proposal
+from specjax.drafters.chain import one_hot_q
 
 
 @flax.struct.dataclass

@@ -1,0 +1,145 @@
+"""Drafting methods' settings: one dataclass (`DrafterSettings`) with every
+field's one name and one default, read once at the boundary from a run's
+config, a dict or None; the '@' method syntax ('eagle3_tree@tree_nodes=8')
+applies to the same fields; the target's sampling settings from a config.
+
+Configs carry these fields (configs/common.py adds `config_defaults()` to each
+run config); the registry's builders read only a DrafterSettings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any, Optional
+
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.errors import ConfigValueError
+from specjax.drafters.lookahead import Lookahead
+
+LOOKAHEAD_METHODS = ("lookahead", "lookahead_tree")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSettings:
+  """Every drafting method's settings: one name and one default each (a method
+  reads the ones it uses; the module docstring says which). `of(config)` builds
+  them once, at the boundary, from a run's ConfigDict, a dict or None; the
+  builders below read only these."""
+
+  k: Any = 4  # draft length (a tree's depth)
+  max_ngram: Any = 3  # prompt_lookup
+  min_ngram: Any = 1  # prompt_lookup
+  layers: Any = None  # layer_skip, e.g. '0-9' (None: the first third)
+  draft_model: Any = None  # draft_model, e.g. 'self:10' (None: the shipped or 'self:L/3')
+  checkpoint: Any = None  # trained drafters (None: the shipped checkpoint)
+  draft_vocab: Any = None  # eagle(3), distilled draft model: 'full' or N tokens
+  # draft_model, eagle(3) chains: dynamic draft length, stop drafting a row once the
+  # product of the drafter's confidences in its guesses falls below this (0: off)
+  draft_stop: Any = 0.0
+  # trees (medusa_tree, ...): node budget, sibling draws (wor / iid / topk)
+  tree_nodes: Any = 16
+  tree_mode: Any = "wor"
+  tree_topk: Any = 4  # eagle(3)_tree: children per expanded node
+  tree_width: Any = 4  # eagle(3)_tree: nodes expanded per depth
+  # Lookahead's own fields (`lookahead.Lookahead`; None: its defaults), set per
+  # method: 'lookahead@window=4@ngram=3'
+  window: Any = None
+  ngram: Any = None
+  max_candidates: Any = None
+  pool_size: Any = None
+  select: Any = None
+  next_token: Any = None
+
+  @classmethod
+  def of(cls, config, overrides: Optional[dict] = None) -> "DrafterSettings":
+    """From a ConfigDict, dict, object with these attributes, DrafterSettings
+    or None (missing or None fields take the defaults), then `overrides`."""
+    if isinstance(config, cls) and not overrides:
+      return config
+    values = {}
+    for f in dataclasses.fields(cls):
+      value = overrides[f.name] if overrides and f.name in overrides else _field(config, f.name)
+      if value is not None:
+        # numpy scalars from array-valued configs as plain Python numbers
+        values[f.name] = value.item() if isinstance(value, np.generic) else value
+    return cls(**values)
+
+
+LOOKAHEAD_FIELDS = frozenset(f.name for f in dataclasses.fields(Lookahead) if f.init)
+# The fields every run config carries (Lookahead's own are set per method with '@').
+CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(DrafterSettings)
+                      if f.name not in ("window", "ngram", "max_candidates", "pool_size",
+                                        "select", "next_token"))
+
+
+def config_defaults() -> dict:
+  """{field: default} for the fields a run config carries (None: unset, the
+  method's own default)."""
+  return {name: getattr(DrafterSettings, name) for name in CONFIG_FIELDS}
+
+
+def _parse_value(text: str):
+  for kind in (int, float):
+    try:
+      return kind(text)
+    except ValueError:
+      pass
+  return {"None": None, "true": True, "false": False}.get(text, text)
+
+
+def parse_method(method: str) -> tuple[str, dict]:
+  """'eagle3_tree@tree_nodes=8@k=3' -> ('eagle3_tree', {'tree_nodes': 8, 'k': 3})."""
+  base, *parts = str(method).split("@")
+  allowed = set(CONFIG_FIELDS)
+  if base in LOOKAHEAD_METHODS:
+    allowed |= LOOKAHEAD_FIELDS
+  overrides = {}
+  for part in parts:
+    key, sep, value = part.partition("=")
+    if not sep or not key:
+      raise ValueError(f"method {method!r}: each '@' must be followed by field=value, "
+                       f"got {part!r}")
+    if key not in allowed:
+      raise ValueError(f"method {method!r}: unknown field {key!r}; fields: "
+                       f"{', '.join(sorted(allowed))}")
+    overrides[key] = _parse_value(value)
+  return base, overrides
+
+
+def method_config(method: str, config) -> tuple[str, DrafterSettings]:
+  """(base method name, its DrafterSettings: the config's fields with the
+  method's own '@' values applied)."""
+  base, overrides = parse_method(method)
+  return base, DrafterSettings.of(config, overrides)
+
+
+def _field(config, name: str, default=None):
+  """config.name or config[name]; missing or None -> default."""
+  if config is None:
+    return default
+  if isinstance(config, dict):
+    value = config.get(name)
+  else:
+    try:
+      value = getattr(config, name)
+    except (AttributeError, KeyError):
+      value = None
+  return default if value is None else value
+
+
+def sampling_of(config) -> sampling_lib.SamplingConfig:
+  """The target's sampling settings named by a config (greedy when absent);
+  ConfigValueError for values that are not numbers or out of range."""
+  values = {name: _field(config, name, default)
+            for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0))}
+  for name, value in values.items():
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+      raise ConfigValueError(f"{name} must be a number, got {value!r}")
+  top_k = values["top_k"]
+  if float(top_k) != int(top_k):
+    raise ConfigValueError(f"top_k must be a non-negative integer, got {top_k!r}")
+  return sampling_lib.SamplingConfig(temperature=float(values["temperature"]),
+                                     top_k=int(top_k), top_p=float(values["top_p"]))
