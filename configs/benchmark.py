@@ -13,11 +13,15 @@ Any JSONL file in Spec-Bench's format works (--config.prompts=...). A run
 resumes from `out`/log.jsonl; change `out` when changing the settings.
 """
 
+import importlib.util
 import os
 
 import ml_collections
 
-from specjax.drafters import registry
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC_BENCH = os.path.normpath(os.path.join(_REPO, os.pardir, "shared", "data", "spec_bench",
@@ -48,7 +52,7 @@ def get_config(arg=None):
   c.local_devices = 0
   c.calibrate = True  # measure forward / drafter costs for the predicted-speedup column
   # Drafter settings (specjax.drafters.registry; None: the method's default).
-  registry.add_config_fields(c)
-  registry.apply_variants(c, arg, "configs/benchmark.py")
+  common.drafter_fields(c)
+  common.apply_variants(c, arg, "configs/benchmark.py")
   c.lock()
   return c

@@ -15,15 +15,19 @@ to `export`. `python experiments/export.py --config.checkpoint=<export>`
 writes it as a standalone HF-format model (full embedding).
 """
 
+import importlib.util
 import os
 
-from specjax.training.run import base_config
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config(arg=None):
-  c = base_config("draft_model", steps=1000, warmup=50, lr=5e-4, eval_every=250)
+  c = common.training_config("draft_model", steps=1000, warmup=50, lr=5e-4, eval_every=250)
   c.draft_layers = 4
   c.init_layers = ""  # '' = the target's first draft_layers layers; else e.g. '0,1,2,29'
   c.loss = "kl"

@@ -11,15 +11,19 @@ estimate of a k=`eval_k` chain on the validation split) is exported to
 `export` with a card and the target's fingerprint.
 """
 
+import importlib.util
 import os
 
-from specjax.training.run import base_config
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config(arg=None, method="eagle"):
-  c = base_config(method, gen_batch_size=16, steps=2000, warmup=100)
+  c = common.training_config(method, gen_batch_size=16, steps=2000, warmup=100)
   c.draft_vocab = 0  # 0: the full vocabulary; else the N most frequent answer tokens
   c.ttt_steps = 3 if method == "eagle3" else 1  # unrolled steps (EAGLE-3's training-time test)
   c.w_reg = 1.0  # EAGLE: feature regression (smooth L1)

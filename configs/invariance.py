@@ -35,6 +35,7 @@ def get_config(arg=None):
   c.prompts = SPEC_BENCH
   c.prompt_limit = 10  # the first N questions of each category
   c.batch_size = 10
+  c.modes = "on,off"  # batch_invariant on (the claim), off (what the default forward does)
   c.methods = ("prompt_lookup,layer_skip,draft_model,medusa,blockwise,eagle,eagle3,lookahead,"
                "replay,medusa_tree,eagle_tree,eagle3_tree,lookahead_tree")
   c.out = ""

@@ -9,15 +9,19 @@ Self-distillation data is generated (and resumed) at `data_path` (default
 to `export` with a card and the target's fingerprint.
 """
 
+import importlib.util
 import os
 
-from specjax.training.run import base_config
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config(arg=None):
-  c = base_config("medusa")
+  c = common.training_config("medusa")
   c.num_heads = 4
   c.decay = 0.8
   c.batch_positions = 128

@@ -16,12 +16,17 @@ exported to `out`/hf_draft, or `hf_draft` (an HF directory). A run resumes
 from `out`/log.jsonl; change `out` when changing the settings.
 """
 
+import importlib.util
 import os
 
 import ml_collections
 
-from specjax.drafters import registry
 from specjax.peers import hf
+
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC_BENCH = os.path.normpath(os.path.join(_REPO, os.pardir, "shared", "data", "spec_bench",
@@ -45,7 +50,7 @@ def get_config(arg=None):
   # Drafter fields (specjax.drafters.registry); like for like: specjax's draft_model
   # and HF's assistant draft k tokens with the same model; both prompt lookups
   # propose lookup_k tokens after an n-gram of max_ngram down to 1 tokens.
-  registry.add_config_fields(c)
+  common.drafter_fields(c)
   c.lookup_k = 4
   c.hf_draft = ""  # the assistant's HF directory ('': exported from draft_model)
   # specjax's best method, its own row (any registry name); when it names a like-for-like

@@ -11,9 +11,15 @@ Variants (the text after ':'), combinable with '+' (e.g. `sample+bf16`):
   bf16    bfloat16 weights and cache
 """
 
+import importlib.util
+import os
+
 import ml_collections
 
-from specjax.drafters import registry
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 
 def get_config(arg=None):
@@ -35,7 +41,7 @@ def get_config(arg=None):
   c.repeats = 1  # timed repeats after a compile run
   c.method = "ar"  # or a drafter of specjax.drafters.registry, run against AR interleaved
   # Speculative settings (read by the method that uses them; None: the method's default).
-  registry.add_config_fields(c)
-  registry.apply_variants(c, arg, "configs/smollm2.py")
+  common.drafter_fields(c)
+  common.apply_variants(c, arg, "configs/smollm2.py")
   c.lock()
   return c

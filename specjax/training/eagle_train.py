@@ -294,11 +294,12 @@ def loss_fn(head, target_params, cfg, batch, vocab, noise, *, steps: int, w_reg:
 
 def make_step(optimizer, target_params, cfg, *, vocab=None, steps: int = 1, w_reg: float = 1.0,
               w_cls: float = 0.1, decay: float = 0.8, noise: float = 0.0):
-  """-> step(head, opt_state, batch); batch carries a "key" for the feature noise.
+  """-> step(head, opt_state, batch); batch carries a "key" for the feature noise
+  (raw key data, `jax.random.key_data`).
   The frozen target weights (and the reduced vocabulary) are jit arguments."""
   @jax.jit
   def step_impl(head, opt_state, batch, target_params, vocab):
-    key = batch.pop("key")
+    key = jax.random.wrap_key_data(batch.pop("key"))
     nz = None
     if noise:
       shape = batch["tokens"].shape + (cfg.dim,)

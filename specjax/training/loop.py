@@ -147,7 +147,7 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
 
 
 def _key_data(key) -> np.ndarray:
-  key = jax.random.PRNGKey(0) if key is None else key
+  key = jax.random.key(0) if key is None else key
   if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
   return np.asarray(key, np.uint32)

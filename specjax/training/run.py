@@ -27,56 +27,10 @@ from specjax.training import distill_data, draft_train, eagle_train, loop, medus
 TINY = "tiny"  # a small random target (tests): token prompts, no tokenizer
 
 
-def base_config(method: str, **overrides):
-  """The fields every drafter's training config shares (configs/medusa.py,
-  configs/eagle.py): target, self-distillation data, features, optimizer,
-  checkpoint cadence. Each config adds its drafter's fields."""
-  import ml_collections  # pylint: disable=import-outside-toplevel
-  c = ml_collections.ConfigDict()
-  c.method = method
-  c.model = "smollm2-135m"
-  c.dtype = "float32"
-  # data
-  c.sources = "alpaca,code_alpaca,gpteacher_code,gsm8k_train"
-  c.num_examples = 600
-  c.max_new_tokens = 192
-  c.max_prompt_tokens = 192
-  c.gen_batch_size = 8
-  c.sample_fraction = 0.25
-  c.valid_fraction = 0.05
-  c.data_path = ""
-  c.seed = 0
-  # + this many datasets' reference answers (teacher-forced through the target:
-  # one forward each instead of a generation)
-  c.reference_examples = 0
-  # features
-  c.seq_len = 384
-  c.feature_batch = 4
-  # computed features are kept here and reused by runs over the same data ('' = off)
-  c.feature_cache = "/tmp/specjax_train/features"
-  # optimizer and cadence
-  c.steps = 1500
-  c.lr = 1e-3
-  c.warmup = 50
-  c.weight_decay = 0.0
-  c.clip = 1.0
-  c.eval_every = 250
-  c.save_every = 250
-  c.log_every = 25
-  c.workdir = f"/tmp/specjax_train/{method}"
-  # data-parallel over several processes of one JAX job on this machine
-  # (experiments/train.py starts them; process 0 writes data, checkpoints and
-  # the export): processes x local_devices devices on the `data` axis
-  c.processes = 1
-  c.local_devices = 0  # host CPU devices per process; 0: JAX's default
-  c.update(overrides)
-  return c
-
-
 def _target(c) -> Model:
   if c.model == TINY:
     cfg = tiny_config(vocab_size=64, dim=64, num_layers=2, eos_id=-1, max_seq_len=256)
-    params = transformer.init(jax.random.PRNGKey(7), cfg)
+    params = transformer.init(jax.random.key(7), cfg)
     # Soften the tied embedding: a random init's logits are so peaked that its
     # answers repeat one token, leaving the heads nothing to learn.
     params["embed"] = params["embed"] * 0.2
@@ -143,7 +97,7 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
   progress(f"features: {len(pool)} train / {len(vpool)} valid positions in "
            f"{time.perf_counter() - t0:.0f}s")
   # 3. training
-  heads0 = medusa.init_heads(jax.random.PRNGKey(c.seed), c.num_heads, model.cfg.dim)
+  heads0 = medusa.init_heads(jax.random.key(c.seed), c.num_heads, model.cfg.dim)
   opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
   step_target, dp = _data_parallel(model)
   step_fn = dp(medusa_train.make_step(opt, step_target, model.cfg, c.decay))
@@ -165,7 +119,7 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
                       batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
                       eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
                       log_every=c.log_every, progress=progress, stop_after=stop_after,
-                      key=jax.random.PRNGKey(c.seed))
+                      key=jax.random.key(c.seed))
   out = {"step": result.step, "workdir": c.workdir, "train_positions": len(pool),
          "valid_positions": len(vsub), "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps or not distributed.is_primary():
@@ -234,7 +188,7 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
     progress(f"reduced draft vocabulary: {len(vocab)} tokens cover {covered:.1%} of the "
              "training answers' tokens")
     vocab = jnp.asarray(vocab)
-  head0 = eagle.init_head(jax.random.PRNGKey(c.seed), cfg, fused=fused)
+  head0 = eagle.init_head(jax.random.key(c.seed), cfg, fused=fused)
   opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
   step_target, dp = _data_parallel(model)
   step_fn = dp(eagle_train.make_step(opt, step_target, cfg, vocab=vocab, steps=c.ttt_steps,
@@ -245,7 +199,9 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
     rng = np.random.default_rng([c.seed, step])
     b = pool.batch(rng, c.batch_windows, c.window)
     b = jax.tree.map(jnp.asarray, b)
-    b["key"] = jax.random.fold_in(jax.random.PRNGKey(c.seed), step)
+    # the step's key as raw key data: a batch is plain arrays (split or
+    # replicated over processes); the step wraps it back
+    b["key"] = jax.random.key_data(jax.random.fold_in(jax.random.key(c.seed), step))
     return b
 
   windows = vpool.eval_windows(c.window, c.valid_max_windows or None)
@@ -257,7 +213,7 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
                       batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
                       eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
                       log_every=c.log_every, progress=progress, stop_after=stop_after,
-                      key=jax.random.PRNGKey(c.seed))
+                      key=jax.random.key(c.seed))
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_windows": len(windows), "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps or not distributed.is_primary():
@@ -330,7 +286,7 @@ def _run_draft_model(c, model: Model, train_seqs, valid_seqs, progress, stop_aft
                       batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
                       eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
                       log_every=c.log_every, progress=progress, stop_after=stop_after,
-                      key=jax.random.PRNGKey(c.seed))
+                      key=jax.random.key(c.seed))
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_positions": vpool.num_positions, "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps or not distributed.is_primary():
