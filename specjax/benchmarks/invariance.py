@@ -99,7 +99,7 @@ def identity(c, progress: Callable[[str], None]) -> List[dict]:
   rows = []
   methods = [m for m in c.methods.split(",") if m]
   for dtype in [d for d in c.dtypes.split(",") if d]:
-    for inv in (True, False):
+    for inv in _modes(c):
       model = load_model(c.model, dtype, batch_invariant=inv)
       tok = model.tokenizer
       counts = {m: {"rows": 0, "identical": 0, "first_divergence": []} for m in methods}
@@ -127,6 +127,15 @@ def identity(c, progress: Callable[[str], None]) -> List[dict]:
       for m in methods:
         rows.append({"dtype": dtype, "batch_invariant": inv, "method": m, **counts[m]})
   return rows
+
+
+def _modes(c) -> List[bool]:
+  """The identity part's modes: 'on' (batch_invariant), 'off' (the default forward)."""
+  names = [m for m in str(getattr(c, "modes", "on,off")).split(",") if m]
+  unknown = set(names) - {"on", "off"}
+  if unknown or not names:
+    raise ValueError(f"modes must be a comma-separated subset of 'on,off', got {c.modes!r}")
+  return [m == "on" for m in names]
 
 
 def _batches(c) -> List[int]:
