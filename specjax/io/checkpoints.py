@@ -20,6 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from specjax.errors import MalformedFileError
+from specjax.io import jsonl
 
 CARD = "card.json"
 PARAMS = "params"
@@ -71,14 +72,7 @@ def read_card(path: str) -> dict:
     raise CheckpointError(f"drafter checkpoint {path} does not exist")
   if not os.path.exists(card_path):
     raise CheckpointError(f"{path} is not a drafter checkpoint (no {CARD})")
-  try:
-    with open(card_path, encoding="utf-8") as f:
-      card = json.load(f)
-  except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-    raise CheckpointError(f"{card_path} is unreadable: {e}") from e
-  if not isinstance(card, dict):
-    raise CheckpointError(f"{card_path}: expected a JSON object, got {type(card).__name__}")
-  return card
+  return jsonl.read_object(card_path, CheckpointError)
 
 
 def check_params(path: str, params) -> None:

@@ -30,6 +30,7 @@ import safetensors
 import safetensors.numpy
 
 from specjax.errors import MalformedFileError
+from specjax.io import jsonl
 from specjax.models.config import ModelConfig
 
 Params = dict
@@ -230,14 +231,7 @@ def read_config(path: str, dtype: Optional[str] = None) -> ModelConfig:
   file = os.path.join(path, CONFIG_FILE)
   if not os.path.isfile(file):
     raise HFFormatError(f"{path}: no {CONFIG_FILE} (not an HF model directory)")
-  try:
-    with open(file, encoding="utf-8") as f:
-      raw = json.load(f)
-  except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
-    raise HFFormatError(f"{file}: cannot read JSON: {type(e).__name__}: {e}") from e
-  if not isinstance(raw, dict):
-    raise HFFormatError(f"{file}: expected a JSON object")
-  return config_from_dict(raw, file, dtype)
+  return config_from_dict(jsonl.read_object(file, HFFormatError), file, dtype)
 
 
 # ----------------------------------------------------------------------------

@@ -13,9 +13,23 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterable, List
+from typing import Iterable, List, Type
 
 from specjax.errors import MalformedFileError
+
+
+def read_object(path: str, error: Type[MalformedFileError] = MalformedFileError) -> dict:
+  """The JSON object in the file at `path` (a card, a config); any failure to
+  read or parse it, or a value that is not an object, raises `error` naming
+  the file."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      obj = json.load(f)
+  except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+    raise error(f"{path} is unreadable: {type(e).__name__}: {e}") from e
+  if not isinstance(obj, dict):
+    raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+  return obj
 
 
 def read(path: str, *, repair: bool = True) -> List[dict]:
