@@ -14,11 +14,14 @@ greedy AR token for token, no near-tie allowance. For each precision and each
 method, the first `prompt_limit` Spec-Bench questions of every category (by
 question_id) are answered by AR and by the method, `batch_size` questions
 decoded together, and every output is compared with AR's exactly; the
-default mode runs beside it as the control (divergences expected).
+default mode runs beside it as the control (divergences expected). Each
+result is logged as it finishes (`out`/identity.jsonl) and a restarted run
+goes on from there: the full run is hours on a 2-core CPU.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -31,6 +34,8 @@ from specjax.benchmarks import questions as questions_lib
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
+from specjax.errors import ConfigValueError
+from specjax.io import jsonl
 from specjax.io.load import load_model
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
@@ -91,41 +96,77 @@ def cost(c, progress: Callable[[str], None]) -> List[dict]:
   return rows
 
 
+def _unit_key(dtype: str, inv: bool, method: str, ids) -> tuple:
+  return (dtype, bool(inv), method, tuple(ids))
+
+
 def identity(c, progress: Callable[[str], None]) -> List[dict]:
+  """Greedy speculative vs greedy AR, token for token, per precision, mode and
+  method. With `c.out`, every (precision, mode, method, batch of questions)
+  result is appended to `c.out`/identity.jsonl as it finishes and a restarted
+  run skips what the log holds (a run that settings change must use another
+  `out`)."""
   questions = questions_lib.load_questions(c.prompts, c.prompt_limit)
   by_cat: Dict[str, list] = {}
   for q in sorted(questions, key=lambda q: q.question_id):
     by_cat.setdefault(q.category, []).append(q)
-  rows = []
+  units = [qs[i:i + c.batch_size] for _, qs in sorted(by_cat.items())
+           for i in range(0, len(qs), c.batch_size)]
   methods = [m for m in c.methods.split(",") if m]
+  settings = {"model": c.model, "max_new_tokens": int(c.max_new_tokens), "k": int(c.k),
+              "batch_size": int(c.batch_size)}
+  log = os.path.join(c.out, "identity.jsonl") if c.out else None
+  if log:
+    os.makedirs(c.out, exist_ok=True)
+  done = {}
+  for rec in jsonl.read(log) if log else []:
+    if rec.get("settings") != settings:
+      raise ConfigValueError(f"{log} holds results for other settings ({rec.get('settings')}, "
+                             f"this run: {settings}): use another out directory")
+    done[_unit_key(rec["dtype"], rec["batch_invariant"], rec["method"],
+                   rec["question_ids"])] = rec
+  if done:
+    progress(f"{len(done)} results from {log}")
+  rows = []
   for dtype in [d for d in c.dtypes.split(",") if d]:
     for inv in _modes(c):
-      model = load_model(c.model, dtype, batch_invariant=inv)
-      tok = model.tokenizer
-      counts = {m: {"rows": 0, "identical": 0, "first_divergence": []} for m in methods}
-      for cat, qs in sorted(by_cat.items()):
-        for i in range(0, len(qs), c.batch_size):
-          unit = qs[i:i + c.batch_size]
-          prompts = [tok.encode_prompt(q.turns[0]) for q in unit]
-          ref = ar.generate(model.params, model.cfg, prompts,
+      model = None
+      for n, unit in enumerate(units):
+        ids = [q.question_id for q in unit]
+        todo = [m for m in methods if _unit_key(dtype, inv, m, ids) not in done]
+        if not todo:
+          continue
+        model = model or load_model(c.model, dtype, batch_invariant=inv)
+        prompts = [model.tokenizer.encode_prompt(q.turns[0]) for q in unit]
+        ref = ar.generate(model.params, model.cfg, prompts,
+                          max_new_tokens=c.max_new_tokens).tokens
+        for m in todo:
+          drafter, dparams = registry.make_drafter(
+              m, {"k": c.k}, model, sampling=sampling_lib.GREEDY, reference=ref,
+              reference_width=c.max_new_tokens)
+          got = sp.generate(model.params, model.cfg, drafter, prompts, draft_params=dparams,
                             max_new_tokens=c.max_new_tokens).tokens
-          for m in methods:
-            drafter, dparams = registry.make_drafter(
-                m, {"k": c.k}, model, sampling=sampling_lib.GREEDY, reference=ref,
-                reference_width=c.max_new_tokens)
-            got = sp.generate(model.params, model.cfg, drafter, prompts, draft_params=dparams,
-                              max_new_tokens=c.max_new_tokens).tokens
-            for q, a, b in zip(unit, ref, got):
-              counts[m]["rows"] += 1
-              if a == b:
-                counts[m]["identical"] += 1
-              else:
-                pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y),
-                           min(len(a), len(b)))
-                counts[m]["first_divergence"].append((q.question_id, pos))
-          progress(f"{dtype} invariant={inv} {cat} {i + len(unit)}/{len(qs)}")
+          rec = {"settings": settings, "dtype": dtype, "batch_invariant": inv, "method": m,
+                 "question_ids": ids, "identical": [a == b for a, b in zip(ref, got)],
+                 "first_divergence": [
+                     None if a == b else next((j for j, (x, y) in enumerate(zip(a, b))
+                                               if x != y), min(len(a), len(b)))
+                     for a, b in zip(ref, got)]}
+          if log:
+            jsonl.append(log, [rec])
+          done[_unit_key(dtype, inv, m, ids)] = rec
+        progress(f"{dtype} invariant={inv} {unit[0].category} batch {n + 1}/{len(units)}")
       for m in methods:
-        rows.append({"dtype": dtype, "batch_invariant": inv, "method": m, **counts[m]})
+        counts = {"rows": 0, "identical": 0, "first_divergence": []}
+        for unit in units:
+          rec = done[_unit_key(dtype, inv, m, [q.question_id for q in unit])]
+          for qid, same, pos in zip(rec["question_ids"], rec["identical"],
+                                    rec["first_divergence"]):
+            counts["rows"] += 1
+            counts["identical"] += int(same)
+            if not same:
+              counts["first_divergence"].append((qid, pos))
+        rows.append({"dtype": dtype, "batch_invariant": inv, "method": m, **counts})
   return rows
 
 
