@@ -48,7 +48,7 @@ def generate_from_config(c, model: Optional[Model] = None) -> dict:
   methods = ("ar",) + registry.available_methods()
   if c.method not in methods:
     raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
-  model = model or load_model(c.model, c.dtype, batch_invariant=c.get("batch_invariant", False))
+  model = model or load_model(c.model, c.dtype, batch_invariant=getattr(c, "batch_invariant", False))
   if model.tokenizer is None:
     raise ValueError(f"model {c.model!r} has no tokenizer to encode the prompt")
   prompt = model.tokenizer.encode_prompt(c.prompt, system=c.system)

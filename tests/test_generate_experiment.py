@@ -2,6 +2,7 @@
 in-process (reusing the session's model), and experiments/generate.py as a
 subprocess, the way the README runs it."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -51,6 +52,20 @@ def test_generate_from_config(smollm2, variant, temperature, top_p):
   assert out["prompt_tokens"] > 10
   assert out["tokens_per_s"] > 0 and out["ms_per_token"] > 0
   json.dumps(out)  # what the main prints must be JSON
+
+
+def test_generate_from_a_dataclass(smollm2):
+  """The entry point reads fields, not a ConfigDict: a frozen dataclass with the
+  config's fields runs the same (speculative, so the drafter's settings travel
+  too)."""
+  c = small_config()
+  c.method, c.k = "prompt_lookup", 3
+  fields = c.to_dict()
+  settings = dataclasses.make_dataclass(
+      "GenerateSettings", [(k, type(v)) for k, v in fields.items()], frozen=True)(**fields)
+  out = runner.generate_from_config(settings, model=smollm2)
+  assert out["method"] == "prompt_lookup" and 0 < out["new_tokens"] <= 8
+  assert out["answer"] == runner.generate_from_config(c, model=smollm2)["answer"]
 
 
 def test_config_variants():

@@ -387,7 +387,8 @@ def run_benchmark(c, model: Optional[Model] = None,
   t_work = time.perf_counter()
   for n, unit in enumerate(todo):
     if engine is None:
-      model = model or load_model(c.model, c.dtype, batch_invariant=c.get("batch_invariant", False))
+      model = model or load_model(c.model, c.dtype,
+                                 batch_invariant=getattr(c, "batch_invariant", False))
       engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed),
                       mesh=sharding.mesh_from_config(c))
     missing = [m for m in methods if (unit_id(unit), m) not in done]
@@ -429,14 +430,14 @@ def run_benchmark(c, model: Optional[Model] = None,
   calib = None
   calib_path = os.path.join(c.out, "calibration.json")
   primary = distributed.is_primary()
-  if c.get("calibrate", True) and units:
+  if getattr(c, "calibrate", True) and units:
     # Measured once per run directory (a resumed run reuses it; delete the file
     # to measure again); by process 0 in a multi-process run.
     calib = calibrate_lib.read_calibration(calib_path)
     missing = [m for m in methods if m not in calib]
     if missing and primary:
       model = model or (engine.model if engine else load_model(
-          c.model, c.dtype, batch_invariant=c.get("batch_invariant", False)))
+          c.model, c.dtype, batch_invariant=getattr(c, "batch_invariant", False)))
       progress("calibrating: forward cost t_verify(n) and each drafter's proposal cost")
       calib.update(calibrate_lib.calibrate(model, c, missing, units[0], sampling))
       with open(calib_path, "w") as f:
