@@ -4,11 +4,13 @@ A drafter is a frozen (hashable, jit-static) dataclass holding its static
 settings; its weights (if any) travel separately as `params`, its per-request
 state as a pytree. Each round the loop calls
 
-    proposal, state, target_cache = drafter.propose(params, target, state, ctx, keys)
+    proposal, state, target_cache = drafter.propose(params, target, state, ctx,
+                                                    target_cache, keys)
 
-and, after verification,
+and, after verification (`verify` carries the accepted count and the
+target's hidden states at the fed positions),
 
-    state = drafter.commit(params, state, ctx_after, num_accepted, verify)
+    state = drafter.commit(params, state, ctx_after, verify)
 
 `ctx` is the committed history the loop keeps for every row: all prompt and
 emitted tokens and their count. Invariant: the target's cache holds the
