@@ -486,7 +486,7 @@ def run_peers(c, model: Optional[Model] = None,
              for k, r in by_key.items() if k in keys]
   rows = summarize(records, peers.systems)
   out = {
-      "config": c.to_dict(), "results": rows, "best_against_best": best_against_best(rows),
+      "config": report.as_dict(c), "results": rows, "best_against_best": best_against_best(rows),
       "settings": peers.settings, "skipped": peers.skipped, "num_prompts": len(questions),
       "commit": commit, "hardware": {**report.hardware(), "python": platform.python_version()},
       "runtime_s": time.perf_counter() - t_start, "compile_s": peers.engine.compile_s,

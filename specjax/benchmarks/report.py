@@ -6,12 +6,13 @@ AR benchmark and the generate experiment."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
 import statistics
 import subprocess
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 
@@ -49,8 +50,23 @@ def upto_eos(tokens: Sequence[int], eos_id: int) -> list:
 
 def config_settings(c, names: Sequence[str]) -> dict:
   """The named fields of a run config (None where absent): what a resumed
-  log's records must match."""
-  return {k: (c[k] if k in c else None) for k in names}
+  log's records must match. `c`: a ConfigDict, a dataclass, a mapping or any
+  object with the fields as attributes."""
+  if isinstance(c, Mapping):
+    return {k: c.get(k) for k in names}
+  return {k: getattr(c, k, None) for k in names}
+
+
+def as_dict(c) -> dict:
+  """A run config's fields as a plain dict (for result records): a ConfigDict,
+  a dataclass, a mapping or any object with attributes."""
+  if dataclasses.is_dataclass(c) and not isinstance(c, type):
+    return dataclasses.asdict(c)
+  if hasattr(c, "to_dict"):
+    return c.to_dict()
+  if isinstance(c, Mapping):
+    return dict(c)
+  return dict(vars(c))
 
 
 def git_commit() -> Optional[str]:
