@@ -46,9 +46,7 @@ def spread(values: Sequence[float]) -> dict:
 
 def compare_greedy(a: Sequence[int], b: Sequence[int], eos_id: int) -> dict:
   a, b = report.upto_eos(a, eos_id), report.upto_eos(b, eos_id)
-  mismatch = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-  if mismatch is None and len(a) != len(b):
-    mismatch = min(len(a), len(b))
+  mismatch = report.first_divergence(a, b)
   return {"identical_up_to_eos": mismatch is None, "first_mismatch": mismatch,
           "specjax_tokens": len(a), "hf_tokens": len(b)}
 

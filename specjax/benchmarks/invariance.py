@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
 from specjax.benchmarks import questions as questions_lib
+from specjax.benchmarks import report
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
@@ -148,10 +149,8 @@ def identity(c, progress: Callable[[str], None]) -> List[dict]:
                             max_new_tokens=c.max_new_tokens).tokens
           rec = {"settings": settings, "dtype": dtype, "batch_invariant": inv, "method": m,
                  "question_ids": ids, "identical": [a == b for a, b in zip(ref, got)],
-                 "first_divergence": [
-                     None if a == b else next((j for j, (x, y) in enumerate(zip(a, b))
-                                               if x != y), min(len(a), len(b)))
-                     for a, b in zip(ref, got)]}
+                 "first_divergence": [report.first_divergence(a, b)
+                                      for a, b in zip(ref, got)]}
           if log:
             jsonl.append(log, [rec])
           done[_unit_key(dtype, inv, m, ids)] = rec

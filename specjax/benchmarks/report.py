@@ -48,6 +48,14 @@ def upto_eos(tokens: Sequence[int], eos_id: int) -> list:
   return tokens[:tokens.index(eos_id) + 1] if eos_id in tokens else tokens
 
 
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+  """The first position where two token sequences differ (the shorter one's
+  length when one is a prefix of the other); None when they are equal."""
+  if list(a) == list(b):
+    return None
+  return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def config_settings(c, names: Sequence[str]) -> dict:
   """The named fields of a run config (None where absent): what a resumed
   log's records must match. `c`: a ConfigDict, a dataclass, a mapping or any

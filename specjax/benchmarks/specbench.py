@@ -206,7 +206,7 @@ def _divergences(engine, prompts, ref, tokens, eos, question_ids) -> List[dict]:
     a, b = report.upto_eos(a, eos), report.upto_eos(b, eos)
     if a == b:
       continue
-    pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    pos = report.first_divergence(a, b)
     gap = (greedy_identity.top_gap(engine.params, engine.model.cfg, prompt, a, pos)
            if pos < min(len(a), len(b)) else None)
     out.append({"question_id": qid, "position": pos, "gap": gap,
