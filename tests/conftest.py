@@ -28,6 +28,8 @@ from specjax.io.load import load_model
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
 
+import compile_effort
+
 jax.config.update("jax_enable_x64", False)
 # Compiles dominate the suite's time on a 2-core CPU: keep XLA executables in a
 # persistent cache, so that a program another module (or the other worker)
@@ -333,32 +335,16 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # --- compile effort per module ------------------------------------------------------
-#
-# Most modules build many programs (a drafter, a shape, a sampling setting
-# each) and run each for a moment on a tiny model: there LLVM's optimisation
-# costs more than it saves, and JAX's `jax_disable_most_optimizations` (LLVM
-# -O0, no expensive passes) roughly halves the compile time. Outputs do not
-# change (the golden tokens are reproduced either way). Modules whose time is
-# execution (10^5-request Monte-Carlo runs, the real 30-layer model) keep
-# XLA's full optimisation. The setting is read at each compile; the
-# persistent cache keys programs by it, so the two kinds never mix.
-OPTIMIZED_MODULES = {
-    "test_exactness_montecarlo.py",  # 10^5-request batches
-    # the whole SmolLM2 (measured on eagle3, B = 5, 32 tokens: -O0 saved 15% of
-    # the compile and made the run 60% slower)
-    "test_golden.py", "test_smollm2_speculative.py", "test_smollm2.py",
-    "test_generate_experiment.py", "test_distill_data.py", "test_ar_benchmark.py",
-    # bitwise batch invariance is a property of the optimised kernels CI and users run
-    "test_batch_invariant.py",
-}
-# Worker processes of tiny-model tests (8 forced devices, two-process jobs) are
-# compile-bound too: they get the setting through JAX_DISABLE_MOST_OPTIMIZATIONS=1.
+# (tests/compile_effort.py: which modules keep XLA's full optimisation, and why)
+
+compile_effort.install()
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _compile_effort(request):
   name = os.path.basename(request.module.__file__)
-  jax.config.update("jax_disable_most_optimizations", name not in OPTIMIZED_MODULES)
+  jax.config.update("jax_disable_most_optimizations",
+                    name not in compile_effort.OPTIMIZED_MODULES)
   yield
   jax.config.update("jax_disable_most_optimizations", False)
 

@@ -33,6 +33,8 @@ from specjax.io import jsonl
 from specjax.training import loop, state_store
 from specjax.io.checkpoints import CheckpointError
 
+import compile_effort
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, SAVE_EVERY, EVAL_EVERY = 30, 5, 10
 TRAIN = [sys.executable, "experiments/train.py", "--config=configs/draft_model.py:tiny",
@@ -42,12 +44,11 @@ SEED = 20261130  # the kill schedule's
 
 
 def _env(fault=None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             # every compile of the tiny run is short: cache them all, so a
-             # restart costs its start-up, not its compiles
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-             # tiny programs: compile-bound (see conftest's compile effort)
-             JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+  env = compile_effort.unoptimized_env(  # tiny programs: compile-bound
+      dict(os.environ, JAX_PLATFORMS="cpu",
+           # every compile of the tiny run is short: cache them all, so a
+           # restart costs its start-up, not its compiles
+           JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))
   env.setdefault("SPECJAX_JAX_CACHE",
                  os.path.join(os.path.expanduser("~"), ".cache", "specjax", "xla"))
   env.pop(state_store.FAULT_ENV, None)

@@ -13,6 +13,8 @@ import pytest
 
 from specjax import distributed
 
+import compile_effort
+
 pytestmark = pytest.mark.slow  # multi-process jobs (~4 min of start-ups and compiles)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
@@ -24,7 +26,7 @@ def _run_job(out_dir):
   port = distributed.free_port()
   # each worker forces its own device count
   env = distributed.child_env([os.path.dirname(os.path.dirname(WORKER))])
-  env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # tiny programs: compile-bound (see conftest)
+  env = compile_effort.unoptimized_env(env)  # tiny programs: compile-bound
   procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(NUM_PROCESSES), str(port),
                              str(out_dir)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -87,8 +89,8 @@ REPO = os.path.dirname(os.path.dirname(WORKER))
 
 def _experiment(script, *flags, env=None, timeout=TIMEOUT_S):
   """python experiments/<script> <flags> -> (returncode, stdout + stderr)."""
-  full_env = distributed.child_env([REPO])
-  full_env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"  # tiny programs: compile-bound
+  # tiny programs: compile-bound
+  full_env = compile_effort.unoptimized_env(distributed.child_env([REPO]))
   full_env.update(env or {})
   p = subprocess.run([sys.executable, os.path.join(REPO, "experiments", script), *flags],
                      env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -23,6 +23,8 @@ from specjax import sharding
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
 
+import compile_effort
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharding_worker.py")
 MESHES = [[8, 1], [2, 4], [1, 8]]
 SMOLLM2 = ModelConfig(vocab_size=49152, dim=576, num_layers=30, num_heads=9, num_kv_heads=3,
@@ -32,8 +34,8 @@ SMOLLM2 = ModelConfig(vocab_size=49152, dim=576, num_layers=30, num_heads=9, num
 def _run_worker(suite, timeout):
   # the worker forces 8 devices itself
   env = distributed.child_env([os.path.dirname(os.path.dirname(WORKER))])
-  if suite != "smollm2":  # tiny programs: compile-bound (see conftest's compile effort)
-    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+  if suite != "smollm2":  # tiny programs: compile-bound
+    env = compile_effort.unoptimized_env(env)
   proc = subprocess.run([sys.executable, WORKER, suite], env=env, capture_output=True,
                         text=True, timeout=timeout, check=False)
   assert proc.returncode == 0 and "DONE" in proc.stdout, (
