@@ -129,8 +129,7 @@ def test_reduced_vocabulary_q_is_zero_off_the_draft_vocabulary(trained, tiny_tar
   ctx = Context(history=hist, length=lengths, prompt_len=lengths,
                 active=jnp.asarray([True, True]))
   keys = jax.random.split(jax.random.key(3), 2)
-  prop, _, _ = drafter.propose(dparams, target, state, ctx,
-                               cache_lib.init_cache(m.cfg, 2, 32), keys)
+  prop, _ = drafter.draft(dparams, target, state, ctx, keys)
   q = np.asarray(prop.q)
   off = np.setdiff1d(np.arange(m.cfg.vocab_size), vocab)
   assert np.all(q[..., off] == 0)

@@ -284,12 +284,12 @@ class _KeepIfSure(DraftModel):
 
   keep_above: float = 0.3
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
-    prop, state, cache = super().propose(params, target, state, ctx, target_cache, keys)
+  def draft(self, params, target, state, ctx, keys):
+    prop, state = super().draft(params, target, state, ctx, keys)
     conf = jnp.take_along_axis(prop.q, prop.tokens[..., None], -1)[..., 0]
     sure = jnp.cumprod(conf, axis=1) >= self.keep_above
     num = jnp.minimum(prop.num_proposed, jnp.sum(jnp.cumprod(sure.astype(jnp.int32), 1), 1))
-    return prop.replace(num_proposed=num), state, cache
+    return prop.replace(num_proposed=num), state
 
 
 _RULES = {kind: _buggy_rule(kind) for kind in

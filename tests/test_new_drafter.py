@@ -35,13 +35,13 @@ class RepeatNgram(Drafter):
   n: int = 2
   name = "repeat_ngram"
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     idx = ctx.length[:, None] - self.n + jnp.arange(self.k)[None] % self.n
     tokens = jnp.take_along_axis(ctx.history, jnp.maximum(idx, 0), axis=1)
     num = jnp.where(ctx.active & (ctx.length >= self.n), self.k, 0).astype(jnp.int32)
     num = cut_at_eos(tokens, num, target.cfg.eos_id)
     q = one_hot_q(tokens, target.cfg.vocab_size)
-    return Proposal(tokens=tokens, q=q, num_proposed=num), state, target_cache
+    return Proposal(tokens=tokens, q=q, num_proposed=num), state
 
 
 # ... and one registry row (n from the config's max_ngram field)
@@ -55,9 +55,9 @@ class _WrongQ(RepeatNgram):
   """Negative control: the same deterministic guesses claimed to be drawn from
   a uniform q, so the rule accepts them with min(1, p / q) instead of p."""
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
-    prop, state, cache = super().propose(params, target, state, ctx, target_cache, keys)
-    return prop.replace(q=jnp.full_like(prop.q, 1.0 / prop.q.shape[-1])), state, cache
+  def draft(self, params, target, state, ctx, keys):
+    prop, state = super().draft(params, target, state, ctx, keys)
+    return prop.replace(q=jnp.full_like(prop.q, 1.0 / prop.q.shape[-1])), state
 
 
 TARGET, CFG, _, _ = mc.tiny_pair(vocab_size=8)

@@ -190,9 +190,9 @@ class SkipsBonusCatchUp(DraftModel):
   """Negative control: after an all-accept round it feeds only one of the two
   tokens it missed (its own last guess), never the bonus token."""
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     lagging = ctx.replace(length=jnp.minimum(ctx.length, state.cache.length + 1))
-    return super().propose(params, target, state, lagging, target_cache, keys)
+    return super().draft(params, target, state, lagging, keys)
 
 
 def test_catch_up_negative_control_is_caught(target):

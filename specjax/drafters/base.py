@@ -4,10 +4,9 @@ A drafter is a frozen (hashable, jit-static) dataclass holding its static
 settings; its weights (if any) travel separately as `params`, its per-request
 state as a pytree. Each round the loop calls
 
-    proposal, state, target_cache = drafter.propose(params, target, state, ctx,
-                                                    target_cache, keys)
+    proposal, state = drafter.draft(params, target, state, ctx, keys)
 
-and, after verification (`verify` carries the accepted count and the
+(through `propose`, below) and, after verification (`verify` carries the accepted count and the
 target's hidden states at the fed positions),
 
     state = drafter.commit(params, state, ctx_after, verify)
@@ -16,7 +15,19 @@ target's hidden states at the fed positions),
 emitted tokens and their count. Invariant: the target's cache holds the
 keys/values of `history[:length - 1]`; the newest committed token
 `history[length - 1]` has not been fed to the target yet (the verify forward
-feeds it first, followed by the K guesses).
+feeds it first, followed by the K guesses). The loop alone sets the target
+cache's fill level: before verification (to length - 1) and at commit.
+
+Self-speculative drafters (layer skip, Lookahead) run the target's own layers
+on their guesses, writing keys/values into the target's cache above its fill
+level, where the verify forward rewrites them. They override the loop's call
+itself,
+
+    proposal, state, target_cache = drafter.propose(params, target, state, ctx,
+                                                    target_cache, keys)
+
+returning the cache they wrote into (so XLA updates it in place instead of
+copying it); every other drafter implements `draft` and never sees the cache.
 
 A drafter that keeps its own cache of the committed history (a draft model)
 knows how many history tokens it has already consumed; whatever the last
@@ -147,10 +158,17 @@ class Drafter:
     Drafters with `needs_prefill_hidden` also get `hidden=` (B, T, Df)."""
     return ()
 
+  def draft(self, params, target, state, ctx: Context, keys: jax.Array):
+    """This round's guesses for every row of `ctx` -> (Proposal, state)."""
+    raise NotImplementedError
+
   def propose(self, params, target, state, ctx: Context, target_cache: KVCache,
               keys: jax.Array):
-    """-> (Proposal, state, target_cache)."""
-    raise NotImplementedError
+    """The loop's call -> (Proposal, state, target_cache): `draft`, the
+    target's cache passed through untouched. Only drafters that write into the
+    target's cache (see the module docstring) override it."""
+    proposal, state = self.draft(params, target, state, ctx, keys)
+    return proposal, state, target_cache
 
   def commit(self, params, state, ctx: Context, verify: VerifyOutput) -> Any:
     """Bring the state to the committed history `ctx` (after verification)."""

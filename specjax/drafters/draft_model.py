@@ -77,7 +77,7 @@ class DraftModel(Drafter):
                                       compute_logits=False)
     return DraftModelState(cache=cache.with_length(prompt_lengths))
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     cache = state.cache
     m = cache.length
     behind = jnp.clip(ctx.length - m, 1, CATCH_UP)
@@ -97,7 +97,7 @@ class DraftModel(Drafter):
     tokens, q, cache, num = sample_chain(step, cache, first, keys, self.k, self.sampling,
                                          ctx.active, draw=draw, draft_stop=self.draft_stop)
     num = cut_at_eos(tokens, num, self.cfg.eos_id)
-    return Proposal(tokens=tokens, q=q, num_proposed=num), DraftModelState(cache), target_cache
+    return Proposal(tokens=tokens, q=q, num_proposed=num), DraftModelState(cache)
 
   def _forward(self, params, tokens, cache, num_new: int, active):
     """-> (logits over the draft vocabulary (B, T, V or Vd), cache)."""

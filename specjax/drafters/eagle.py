@@ -321,7 +321,7 @@ class Eagle(Drafter):
     a_last = jnp.take_along_axis(a, (state.count - 1)[:, None, None], axis=1)[:, 0]  # (B, D)
     return cache, base, a_last
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     cfg = target.cfg
     cache, base, a_last = self.catch_up(params, target, state, ctx)
     lm_w = head_weights(params, target.params, cfg)
@@ -344,7 +344,7 @@ class Eagle(Drafter):
     num = cut_at_eos(tokens, num, cfg.eos_id)
     num = jnp.where(ctx.active, num, 0)
     return (Proposal(tokens=tokens, q=q, num_proposed=num),
-            state.replace(cache=cache, base=base), target_cache)
+            state.replace(cache=cache, base=base))
 
   def commit(self, params, state, ctx, verify):
     act = ctx.active

@@ -120,7 +120,7 @@ class EagleTree(Eagle):
     ids = j.astype(jnp.int32) if vocab is None else vocab[j]
     return ids, q, conf
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     cfg = target.cfg
     vsize = cfg.vocab_size
     vocab = params.get("vocab")
@@ -206,4 +206,4 @@ class EagleTree(Eagle):
       q = jnp.take_along_axis(q, keep[..., None], 1)
     num = jnp.where(ctx.active, self.num_nodes, 0).astype(jnp.int32)
     return (Proposal(tokens=tokens, q=q, num_proposed=num, parent=parent),
-            state.replace(cache=cache.with_length(base), base=base), target_cache)
+            state.replace(cache=cache.with_length(base), base=base))

@@ -59,7 +59,9 @@ class LayerSkip(Drafter):
                        f"{target_cfg.num_layers}-layer target")
 
   def propose(self, params, target, state, ctx, target_cache, keys):
-    cache = target_cache.with_length(ctx.length - 1)
+    """Drafts with the target's own layers: writes their keys/values into the
+    target's cache above its fill level (the verify forward rewrites them)."""
+    cache = target_cache
     last = jnp.take_along_axis(ctx.history, (ctx.length - 1)[:, None], axis=1)
 
     def step(c, x):

@@ -191,15 +191,17 @@ def jacobi_step(target, window: Int[Array, "B N1 W"], length: Int[Array, "B"], c
   """One lookahead forward of the target over the window (level 0 column 0
   being the newest committed token, at position length - 1).
 
-  Returns (nxt (B,), top (B, W), cache): the target's greedy choice after the
-  newest committed token (level 0 column 0 sees exactly the committed
-  history), the greedy outputs of the top level -- top[:, i] continues column
-  i -- and the cache (fill level length - 1; slots above it written).
+  The cache holds `history[:length - 1]` (fill level length - 1, as the
+  speculative loop keeps it). Returns (nxt (B,), top (B, W), cache): the
+  target's greedy choice after the newest committed token (level 0 column 0
+  sees exactly the committed history), the greedy outputs of the top level --
+  top[:, i] continues column i -- and the cache with the window written above
+  the committed prefix (fill level advanced by N1 x W on active rows; the
+  loop's verify forward rewinds and rewrites it).
   """
   b, n1, w = window.shape
   level, col = np.divmod(np.arange(n1 * w), w)
   positions = (length - 1)[:, None] + jnp.asarray(level + col, jnp.int32)[None]
-  cache = cache.with_length(length - 1)
   _, hidden, cache = transformer.forward(
       target.params, target.cfg, window.reshape(b, -1), positions, cache,
       jnp.asarray(lookahead_mask(n1 + 1, w)), active=active, compute_logits=False)
@@ -207,7 +209,7 @@ def jacobi_step(target, window: Int[Array, "B N1 W"], length: Int[Array, "B"], c
   rows = jnp.concatenate([hidden[:, :1], hidden[:, -w:]], axis=1)
   out = jnp.argmax(transformer.lm_head(target.params, target.cfg, rows), axis=-1)
   out = out.astype(jnp.int32)
-  return out[:, 0], out[:, 1:], cache.with_length(length - 1)
+  return out[:, 0], out[:, 1:], cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +271,8 @@ class Lookahead(Drafter):
                           harvested=prompt_lengths.astype(jnp.int32), pool=pool)
 
   def propose(self, params, target, state, ctx, target_cache, keys):
+    """The round's Jacobi forward runs on the target and its cache (base's
+    module docstring: drafters that write into the target's cache)."""
     cfg = target.cfg
     pool, last, nxt, state, cache = self._lookahead(target, state, ctx, target_cache)
     tokens, num = self.choose(pool, last, nxt)

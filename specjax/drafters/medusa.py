@@ -97,12 +97,12 @@ class Medusa(Drafter):
     x = jax.vmap(jax.vmap(sampling_lib.sample_from_probs))(sub, q)
     return x.astype(jnp.int32), q
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     logits = head_logits(params, target.params, target.cfg, state.feature, self.k)  # (B, k, V)
     tokens, q = self._guesses(logits, keys)
     num = jnp.where(state.valid & ctx.active, self.k, 0).astype(jnp.int32)
     num = cut_at_eos(tokens, num, target.cfg.eos_id)
-    return Proposal(tokens=tokens, q=q, num_proposed=num), state, target_cache
+    return Proposal(tokens=tokens, q=q, num_proposed=num), state
 
   def commit(self, params, state, ctx, verify):
     n = verify.num_accepted
@@ -246,7 +246,7 @@ class MedusaTree(Medusa):
   def _structure(self):
     return tree_structure(self.choices)
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     parents, deps, ranks, _ = self._structure()
     n = len(parents)
     b = state.feature.shape[0]
@@ -282,4 +282,4 @@ class MedusaTree(Medusa):
     qn = q_dr[:, d_idx, r_idx]  # (B, N, V)
     num = jnp.where(state.valid & ctx.active, n, 0).astype(jnp.int32)
     parent = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
-    return Proposal(tokens=tokens, q=qn, num_proposed=num, parent=parent), state, target_cache
+    return Proposal(tokens=tokens, q=qn, num_proposed=num, parent=parent), state

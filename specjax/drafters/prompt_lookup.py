@@ -53,7 +53,7 @@ class PromptLookup(Drafter):
       raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
                        f"{self.max_ngram}")
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     b = ctx.length.shape[0]
     start = jnp.zeros((b,), jnp.int32)
     found = jnp.zeros((b,), bool)
@@ -66,4 +66,4 @@ class PromptLookup(Drafter):
     num = jnp.where(found & ctx.active, jnp.clip(ctx.length - start, 0, self.k), 0)
     num = cut_at_eos(tokens, num.astype(jnp.int32), target.cfg.eos_id)
     q = one_hot_q(tokens, target.cfg.vocab_size)
-    return Proposal(tokens=tokens, q=q, num_proposed=num), state, target_cache
+    return Proposal(tokens=tokens, q=q, num_proposed=num), state

@@ -42,13 +42,13 @@ class Replay(Drafter):
     if params is None:
       raise ValueError("replay: the reference tokens were not given (draft_params)")
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     done = ctx.length - ctx.prompt_len  # tokens generated so far
     idx = jnp.minimum(done[:, None] + jnp.arange(self.k)[None], params.tokens.shape[1] - 1)
     tokens = jnp.take_along_axis(params.tokens, idx, axis=1)
     num = jnp.where(ctx.active, jnp.clip(params.length - done, 0, self.k), 0).astype(jnp.int32)
     return (Proposal(tokens=tokens, q=one_hot_q(tokens, target.cfg.vocab_size),
-                     num_proposed=num), state, target_cache)
+                     num_proposed=num), state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +56,9 @@ class AlwaysReject(Drafter):
   token: int = 0
   name = "always_reject"
 
-  def propose(self, params, target, state, ctx, target_cache, keys):
+  def draft(self, params, target, state, ctx, keys):
     b = ctx.length.shape[0]
     tokens = jnp.full((b, self.k), self.token, jnp.int32)
     num = jnp.where(ctx.active, self.k, 0).astype(jnp.int32)
     return (Proposal(tokens=tokens, q=one_hot_q(tokens, target.cfg.vocab_size),
-                     num_proposed=num), state, target_cache)
+                     num_proposed=num), state)
