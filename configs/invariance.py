@@ -5,6 +5,8 @@ interleaved) and greedy speculative == greedy AR token for token with it on
   python experiments/invariance.py --config=configs/invariance.py --config.out=/tmp/inv
   python experiments/invariance.py --config=configs/invariance.py:quick   # cost, seconds
   python experiments/invariance.py --config=configs/invariance.py:small   # identity, 1 question per category
+  python experiments/invariance.py --config=configs/invariance.py --config.parts=report \
+      --config.modes=on --config.out=/work/inv_identity   # the table of what a (partial) run logged
 """
 
 import importlib.util
@@ -23,7 +25,7 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.model = "smollm2-135m"
   c.dtypes = "float32,bfloat16"
-  c.parts = "cost,identity"
+  c.parts = "cost,identity"  # or "report": the identity table from `out`/identity.jsonl, nothing run
   # cost
   c.prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
   c.max_new_tokens = 64

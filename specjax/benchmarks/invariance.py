@@ -101,12 +101,13 @@ def _unit_key(dtype: str, inv: bool, method: str, ids) -> tuple:
   return (dtype, bool(inv), method, tuple(ids))
 
 
-def identity(c, progress: Callable[[str], None]) -> List[dict]:
+def identity(c, progress: Callable[[str], None], run: bool = True) -> List[dict]:
   """Greedy speculative vs greedy AR, token for token, per precision, mode and
   method. With `c.out`, every (precision, mode, method, batch of questions)
   result is appended to `c.out`/identity.jsonl as it finishes and a restarted
   run skips what the log holds (a run that settings change must use another
-  `out`)."""
+  `out`). `run=False` runs nothing: the rows count what the log holds so far
+  (a partial run's table)."""
   questions = questions_lib.load_questions(c.prompts, c.prompt_limit)
   by_cat: Dict[str, list] = {}
   for q in sorted(questions, key=lambda q: q.question_id):
@@ -132,7 +133,7 @@ def identity(c, progress: Callable[[str], None]) -> List[dict]:
   for dtype in [d for d in c.dtypes.split(",") if d]:
     for inv in _modes(c):
       model = None
-      for n, unit in enumerate(units):
+      for n, unit in enumerate(units if run else ()):
         ids = [q.question_id for q in unit]
         todo = [m for m in methods if _unit_key(dtype, inv, m, ids) not in done]
         if not todo:
@@ -158,14 +159,17 @@ def identity(c, progress: Callable[[str], None]) -> List[dict]:
       for m in methods:
         counts = {"rows": 0, "identical": 0, "first_divergence": []}
         for unit in units:
-          rec = done[_unit_key(dtype, inv, m, [q.question_id for q in unit])]
+          rec = done.get(_unit_key(dtype, inv, m, [q.question_id for q in unit]))
+          if rec is None:  # only without `run`: not in the log yet
+            continue
           for qid, same, pos in zip(rec["question_ids"], rec["identical"],
                                     rec["first_divergence"]):
             counts["rows"] += 1
             counts["identical"] += int(same)
             if not same:
               counts["first_divergence"].append((qid, pos))
-        rows.append({"dtype": dtype, "batch_invariant": inv, "method": m, **counts})
+        if counts["rows"]:
+          rows.append({"dtype": dtype, "batch_invariant": inv, "method": m, **counts})
   return rows
 
 
@@ -212,7 +216,14 @@ def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]
 def run(c, progress: Optional[Callable[[str], None]] = None) -> Dict:
   progress = progress or (lambda s: print(s, flush=True))
   parts = [p for p in c.parts.split(",") if p]
+  unknown = set(parts) - {"cost", "identity", "report"}
+  if unknown or not parts:
+    raise ConfigValueError(f"parts must be a comma-separated subset of 'cost,identity,report', "
+                           f"got {c.parts!r}")
+  if "report" in parts and not c.out:
+    raise ConfigValueError("parts=report renders `out`/identity.jsonl: set out")
   cost_rows = cost(c, progress) if "cost" in parts else None
-  identity_rows = identity(c, progress) if "identity" in parts else None
+  identity_rows = (identity(c, progress) if "identity" in parts else
+                   identity(c, progress, run=False) if "report" in parts else None)
   return {"cost": cost_rows, "identity": identity_rows,
           "markdown": markdown(cost_rows, identity_rows, c)}

@@ -1,0 +1,57 @@
+"""The batch-invariance identity run's table from its log (`parts=report`):
+what a partial, resumable run holds so far, read without running anything."""
+
+import json
+import types
+
+import pytest
+
+from specjax.benchmarks import invariance
+from specjax.errors import ConfigValueError
+
+
+def _config(tmp_path, **kw):
+  questions = tmp_path / "questions.jsonl"
+  with open(questions, "w") as f:
+    for qid, cat in ((1, "math"), (2, "math"), (3, "qa"), (4, "qa")):
+      f.write(json.dumps({"question_id": qid, "category": cat, "turns": [f"q{qid}"]}) + "\n")
+  base = dict(model="smollm2-135m", dtypes="float32,bfloat16", modes="on", k=4,
+              max_new_tokens=8, prompts=str(questions), prompt_limit=10, batch_size=2,
+              methods="prompt_lookup,eagle3", out=str(tmp_path), parts="report")
+  base.update(kw)
+  return types.SimpleNamespace(**base)
+
+
+def _record(c, method, ids, identical, first=None):
+  return {"settings": {"model": c.model, "max_new_tokens": c.max_new_tokens, "k": c.k,
+                       "batch_size": c.batch_size},
+          "dtype": "float32", "batch_invariant": True, "method": method, "question_ids": ids,
+          "identical": identical, "first_divergence": first or [None] * len(ids)}
+
+
+def test_report_counts_what_the_log_holds(tmp_path):
+  c = _config(tmp_path)
+  with open(tmp_path / "identity.jsonl", "w") as f:
+    for rec in (_record(c, "prompt_lookup", [1, 2], [True, True]),
+                _record(c, "prompt_lookup", [3, 4], [True, False], [None, 5]),
+                _record(c, "eagle3", [1, 2], [True, True])):
+      f.write(json.dumps(rec) + "\n")
+  out = invariance.run(c, progress=lambda s: None)
+  rows = {r["method"]: r for r in out["identity"]}
+  assert set(rows) == {"prompt_lookup", "eagle3"}  # nothing logged for bfloat16
+  assert (rows["prompt_lookup"]["identical"], rows["prompt_lookup"]["rows"]) == (3, 4)
+  assert rows["prompt_lookup"]["first_divergence"] == [(4, 5)]
+  assert (rows["eagle3"]["identical"], rows["eagle3"]["rows"]) == (2, 2)
+  assert "| float32 | True | prompt_lookup | 3/4 | 4@5 |" in out["markdown"]
+
+
+def test_report_refuses_a_log_of_other_settings_and_a_missing_out(tmp_path):
+  c = _config(tmp_path)
+  with open(tmp_path / "identity.jsonl", "w") as f:
+    f.write(json.dumps(_record(_config(tmp_path, k=3), "eagle3", [1, 2], [True, True])) + "\n")
+  with pytest.raises(ConfigValueError, match="other settings"):
+    invariance.run(c, progress=lambda s: None)
+  with pytest.raises(ConfigValueError, match="set out"):
+    invariance.run(_config(tmp_path, out=""), progress=lambda s: None)
+  with pytest.raises(ConfigValueError, match="parts must be"):
+    invariance.run(_config(tmp_path, parts="cost,magic"), progress=lambda s: None)
