@@ -15,7 +15,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/smollm2.py", "Run c
 
 def main(argv):
   del argv
-  out = runner.generate_from_config(_CONFIG.value)
+  out = runner.generate(runner.GenerateSettings.of(_CONFIG.value))
   print(out.pop("answer"))
   print(json.dumps(out, indent=1))
 

@@ -1,11 +1,14 @@
 """Config-driven runs behind the experiment mains (which only parse flags).
 
-Configs are ml_collections ConfigDicts; they are turned into the library's
-frozen dataclasses here, at the boundary.
+`GenerateSettings` is a generate run's settings, one name and one default
+each; `configs/smollm2.py` takes its defaults from it and the experiment main
+turns its ConfigDict into it once (`GenerateSettings.of`), at the boundary.
+`generate` takes only the dataclass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import statistics
 from typing import Optional
@@ -14,14 +17,58 @@ from specjax import sampling as sampling_lib
 from specjax import sharding
 from specjax.benchmarks import report
 from specjax.decoding import autoregressive
+from specjax.drafters.settings import DrafterSettings, config_field, sampling_of
 from specjax.errors import ConfigValueError
 from specjax.io.load import Model, load_model
 
 
-def sampling_from_config(c) -> sampling_lib.SamplingConfig:
-  from specjax.drafters import registry  # pylint: disable=import-outside-toplevel
-  return registry.sampling_of({"temperature": c.temperature, "top_k": c.top_k,
-                               "top_p": c.top_p})
+@dataclasses.dataclass(frozen=True)
+class GenerateSettings:
+  """A generate run (`experiments/generate.py`): a chat prompt through AR or a
+  drafting method, timed against AR interleaved."""
+
+  model: str = "smollm2-135m"
+  dtype: str = "float32"
+  # decode forwards bit for bit independent of the block (specjax.models.invariant):
+  # greedy speculative output equals greedy AR token for token; slower
+  batch_invariant: bool = False
+  prompt: str = "Explain in three sentences why the sky is blue."
+  system: Optional[str] = None
+  max_new_tokens: int = 128
+  batch_size: int = 1  # the prompt is repeated with distinct request ids
+  seed: int = 0
+  cache_slots: Optional[int] = None  # None: the model's context length
+  repeats: int = 1  # timed repeats after a compile run
+  method: str = "ar"  # or a drafter of specjax.drafters.registry, run against AR interleaved
+  mesh: str = ""  # 'data,model' device mesh (specjax.sharding); '': the default device
+  sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
+  drafter: DrafterSettings = DrafterSettings()
+
+  @classmethod
+  def of(cls, config) -> "GenerateSettings":
+    """From a run config (ConfigDict, mapping or object with these fields, the
+    sampling settings as temperature / top_k / top_p and the drafter's as
+    DrafterSettings' fields); missing or None fields take the defaults."""
+    if isinstance(config, cls):
+      return config
+    values = {}
+    for f in dataclasses.fields(cls):
+      if f.name not in ("sampling", "drafter"):
+        value = config_field(config, f.name)
+        if value is not None:
+          values[f.name] = value
+    return cls(**values, sampling=sampling_of(config), drafter=DrafterSettings.of(config))
+
+  @classmethod
+  def config_fields(cls) -> dict:
+    """{field: default} of a run config's own fields (the drafter's and the
+    mesh come from configs/common.py): the sampling settings flat."""
+    d = cls()
+    out = {f.name: getattr(d, f.name) for f in dataclasses.fields(cls)
+           if f.name not in ("sampling", "drafter", "mesh")}
+    out.update(temperature=d.sampling.temperature, top_k=d.sampling.top_k,
+               top_p=d.sampling.top_p)
+    return out
 
 
 def peak_rss_mb() -> float:
@@ -34,6 +81,11 @@ def _identical(a, b, eos_id) -> bool:
 
 
 def generate_from_config(c, model: Optional[Model] = None) -> dict:
+  """`generate` with the settings of a run config (`GenerateSettings.of`)."""
+  return generate(GenerateSettings.of(c), model)
+
+
+def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
   """Run a chat prompt through the configured method; returns text and metrics.
 
   `c.method` is 'ar' or a drafter name of `specjax.drafters.registry`. A
@@ -44,11 +96,14 @@ def generate_from_config(c, model: Optional[Model] = None) -> dict:
   from specjax.decoding import speculative  # pylint: disable=import-outside-toplevel
   from specjax.drafters import registry  # pylint: disable=import-outside-toplevel
 
-  sampling = sampling_from_config(c)
+  if not isinstance(c, GenerateSettings):
+    raise TypeError(f"generate takes a GenerateSettings (GenerateSettings.of(config) reads a "
+                    f"run config), got {type(c).__name__}")
+  sampling = c.sampling
   methods = ("ar",) + registry.available_methods()
   if c.method not in methods:
     raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
-  model = model or load_model(c.model, c.dtype, batch_invariant=getattr(c, "batch_invariant", False))
+  model = model or load_model(c.model, c.dtype, batch_invariant=c.batch_invariant)
   if model.tokenizer is None:
     raise ValueError(f"model {c.model!r} has no tokenizer to encode the prompt")
   prompt = model.tokenizer.encode_prompt(c.prompt, system=c.system)
@@ -65,7 +120,8 @@ def generate_from_config(c, model: Optional[Model] = None) -> dict:
   spec_runs, run_spec = [], None
   if c.method != "ar":
     drafter, draft_params = registry.make_drafter(
-        c.method, c, model, sampling=sampling, reference=ar_runs[0].tokens, reference_width=new)
+        c.method, c.drafter, model, sampling=sampling, reference=ar_runs[0].tokens,
+        reference_width=new)
     spec = speculative.SpecConfig(sampling=sampling)
 
     def run_spec():

@@ -2,7 +2,6 @@
 in-process (reusing the session's model), and experiments/generate.py as a
 subprocess, the way the README runs it."""
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -12,6 +11,7 @@ import sys
 import pytest
 
 from specjax import runner
+from specjax.drafters.settings import DrafterSettings
 
 pytestmark = pytest.mark.slow
 
@@ -54,18 +54,28 @@ def test_generate_from_config(smollm2, variant, temperature, top_p):
   json.dumps(out)  # what the main prints must be JSON
 
 
-def test_generate_from_a_dataclass(smollm2):
-  """The entry point reads fields, not a ConfigDict: a frozen dataclass with the
-  config's fields runs the same (speculative, so the drafter's settings travel
-  too)."""
+def test_generate_takes_its_settings_dataclass(smollm2):
+  """The entry point takes a GenerateSettings only; the experiment main turns
+  the config into one at the boundary, so both give the same answer
+  (speculative, so the drafter's settings travel too)."""
   c = small_config()
   c.method, c.k = "prompt_lookup", 3
-  fields = c.to_dict()
-  settings = dataclasses.make_dataclass(
-      "GenerateSettings", [(k, type(v)) for k, v in fields.items()], frozen=True)(**fields)
-  out = runner.generate_from_config(settings, model=smollm2)
+  settings = runner.GenerateSettings(
+      max_new_tokens=8, repeats=0, method="prompt_lookup",
+      drafter=DrafterSettings(k=3))
+  assert runner.GenerateSettings.of(c) == settings
+  out = runner.generate(settings, model=smollm2)
   assert out["method"] == "prompt_lookup" and 0 < out["new_tokens"] <= 8
   assert out["answer"] == runner.generate_from_config(c, model=smollm2)["answer"]
+  with pytest.raises(TypeError, match="GenerateSettings"):
+    runner.generate(c, model=smollm2)
+
+
+def test_config_defaults_are_the_settings_defaults():
+  """One default per field: configs/smollm2.py takes them from GenerateSettings."""
+  assert runner.GenerateSettings.of(smollm2_config.get_config()) == runner.GenerateSettings()
+  sample = runner.GenerateSettings.of(smollm2_config.get_config("sample"))
+  assert (sample.sampling.temperature, sample.sampling.top_p) == (0.7, 0.9)
 
 
 def test_config_variants():

@@ -61,7 +61,8 @@ class DrafterSettings:
       return config
     values = {}
     for f in dataclasses.fields(cls):
-      value = overrides[f.name] if overrides and f.name in overrides else _field(config, f.name)
+      value = (overrides[f.name] if overrides and f.name in overrides
+               else config_field(config, f.name))
       if value is not None:
         # numpy scalars from array-valued configs as plain Python numbers
         values[f.name] = value.item() if isinstance(value, np.generic) else value
@@ -116,7 +117,7 @@ def method_config(method: str, config) -> tuple[str, DrafterSettings]:
   return base, DrafterSettings.of(config, overrides)
 
 
-def _field(config, name: str, default=None):
+def config_field(config, name: str, default=None):
   """config.name or config[name]; missing or None -> default."""
   if config is None:
     return default
@@ -133,7 +134,7 @@ def _field(config, name: str, default=None):
 def sampling_of(config) -> sampling_lib.SamplingConfig:
   """The target's sampling settings named by a config (greedy when absent);
   ConfigValueError for values that are not numbers or out of range."""
-  values = {name: _field(config, name, default)
+  values = {name: config_field(config, name, default)
             for name, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0))}
   for name, value in values.items():
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
