@@ -13,6 +13,7 @@ Variants (the text after ':'), combinable with '+' (e.g. `sample+bf16`):
 
 import importlib.util
 import os
+import typing
 
 import ml_collections
 
@@ -23,8 +24,13 @@ _spec = importlib.util.spec_from_file_location(  # configs/common.py: what run c
 common = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(common)
 
-# The fields whose default is None (unset), with their type.
-_OPTIONAL = {"system": str, "cache_slots": int}
+
+
+def _placeholder(name: str):
+  """A typed placeholder for a field whose default is None (Optional[T] -> T)."""
+  hint = typing.get_type_hints(runner.GenerateSettings)[name]
+  return ml_collections.config_dict.placeholder(
+      next(t for t in typing.get_args(hint) if t is not type(None)))
 
 
 def get_config(arg=None):
@@ -33,8 +39,7 @@ def get_config(arg=None):
   # (model, dtype, batch_invariant, prompt, system, max_new_tokens, batch_size,
   # seed, cache_slots, repeats, method, temperature / top_k / top_p).
   for name, default in runner.GenerateSettings.config_fields().items():
-    setattr(c, name, ml_collections.config_dict.placeholder(_OPTIONAL[name])
-            if default is None else default)
+    setattr(c, name, _placeholder(name) if default is None else default)
   # Speculative settings (read by the method that uses them; None: the method's default).
   common.drafter_fields(c)
   common.apply_variants(c, arg, "configs/smollm2.py")
