@@ -1,29 +1,39 @@
 """What the run configs share. Config files are loaded by file path, so each
 config loads this one the same way (importlib, `common` in its namespace).
 
+  settings_fields(c, cls)  a run's fields from its settings dataclass
+                           (specjax.settings.RunSettings): one default each
   drafter_fields(c)        the drafting methods' fields (specjax.drafters.settings)
-                           and the device mesh
   apply_variants(c, arg)   the ':sample' / ':bf16' variants
   training_config(method)  the fields every drafter training config shares
 
-The library takes these ConfigDicts as plain attribute bags (or dataclasses
-with the same fields); only configs and experiments import ml_collections.
+The experiment mains turn these ConfigDicts into the settings dataclasses once
+(`Settings.of(config)`); only configs and experiments import ml_collections.
 """
 
 import ml_collections
 
-from specjax.drafters.settings import config_defaults
+from specjax.drafters.settings import DrafterSettings, config_defaults
+
+
+def settings_fields(c, cls) -> None:
+  """The fields of a run built on settings dataclass `cls` with its defaults
+  (a None default is a placeholder typed by the field's annotation; the
+  sampling settings flat, as temperature / top_k / top_p), plus the drafter
+  fields when the settings hold a DrafterSettings."""
+  for name, default in cls.config_defaults().items():
+    setattr(c, name, default if default is not None else
+            ml_collections.config_dict.placeholder(cls.field_type(name)))
+  if any(cls.field_type(f) is DrafterSettings for f in cls.__dataclass_fields__):
+    drafter_fields(c)
 
 
 def drafter_fields(c) -> None:
   """The drafter fields every run config carries (DrafterSettings' defaults;
   None fields are typed placeholders; Lookahead's own fields are set per
-  method with '@'), and the device mesh."""
+  method with '@')."""
   for name, default in config_defaults().items():
     setattr(c, name, ml_collections.config_dict.placeholder(str) if default is None else default)
-  # device mesh 'data,model' (e.g. '2,4': batch over 2, weights over 4; specjax.sharding);
-  # '' runs on the default device
-  c.mesh = ""
 
 
 def apply_variants(c, arg, config_name: str) -> None:

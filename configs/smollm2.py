@@ -13,7 +13,6 @@ Variants (the text after ':'), combinable with '+' (e.g. `sample+bf16`):
 
 import importlib.util
 import os
-import typing
 
 import ml_collections
 
@@ -25,23 +24,13 @@ common = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(common)
 
 
-
-def _placeholder(name: str):
-  """A typed placeholder for a field whose default is None (Optional[T] -> T)."""
-  hint = typing.get_type_hints(runner.GenerateSettings)[name]
-  return ml_collections.config_dict.placeholder(
-      next(t for t in typing.get_args(hint) if t is not type(None)))
-
-
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   # A generate run's fields, one default each: specjax.runner.GenerateSettings
   # (model, dtype, batch_invariant, prompt, system, max_new_tokens, batch_size,
-  # seed, cache_slots, repeats, method, temperature / top_k / top_p).
-  for name, default in runner.GenerateSettings.config_fields().items():
-    setattr(c, name, _placeholder(name) if default is None else default)
-  # Speculative settings (read by the method that uses them; None: the method's default).
-  common.drafter_fields(c)
+  # seed, cache_slots, repeats, method, mesh, temperature / top_k / top_p), and
+  # the drafter's (read by the method that uses them; None: the method's default).
+  common.settings_fields(c, runner.GenerateSettings)
   common.apply_variants(c, arg, "configs/smollm2.py")
   c.lock()
   return c

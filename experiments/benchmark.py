@@ -33,13 +33,15 @@ def main(argv):
   # --config.processes=N: N processes of one JAX job share the units (this
   # command starts them; process 0 writes the results, the others log to
   # out/process_<i>.log)
-  status = distributed.run_as_job(_CONFIG.value, log_dir=_CONFIG.value.out)
+  settings = specbench.BenchmarkSettings.of(_CONFIG.value)  # the ConfigDict, read once
+  status = distributed.run_as_job(settings.processes, settings.local_devices,
+                                  log_dir=settings.out)
   if status is not None:
     sys.exit(status)
   # Compiles (one per method and prompt bucket) cost ~30-60 s each on a 2-core
   # CPU: keep them across runs and resumes. Timed runs never include them.
   specjax.use_compilation_cache()
-  out = specbench.run_benchmark(_CONFIG.value, progress=_progress)
+  out = specbench.run_benchmark(settings, progress=_progress)
   if sys.stderr.isatty():
     sys.stderr.write("\n")
   if distributed.is_primary():

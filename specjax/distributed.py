@@ -192,19 +192,19 @@ def child_argv() -> list:
   return [sys.executable] + list(sys.argv)
 
 
-def run_as_job(c, log_dir: Optional[str] = None) -> Optional[int]:
-  """For an experiment's main(), with a run config holding `processes` and
-  `local_devices`: when processes > 1 and this is not yet one of a job's
-  processes, start the job (this same command, `launch`) and return its exit
-  status; in one of a job's processes, join the job (`from_env`) and return
-  None; in a plain one-process run, None."""
-  processes = int(c.get("processes", 1) or 1)
+def run_as_job(processes: int = 1, local_devices: int = 0,
+               log_dir: Optional[str] = None) -> Optional[int]:
+  """For an experiment's main(), with its run's `processes` and
+  `local_devices` settings: when processes > 1 and this is not yet one of a
+  job's processes, start the job (this same command, `launch`) and return its
+  exit status; in one of a job's processes, join the job (`from_env`) and
+  return None; in a plain one-process run, None."""
+  processes = int(processes or 1)
   if processes < 1:
     from specjax.errors import ConfigValueError  # pylint: disable=import-outside-toplevel
     raise ConfigValueError(f"processes must be >= 1, got {processes}")
   if processes > 1 and not os.environ.get(ENV_PROCESSES):
-    return launch(child_argv(), processes, int(c.get("local_devices", 0) or 0) or None,
-                  log_dir=log_dir)
+    return launch(child_argv(), processes, int(local_devices or 0) or None, log_dir=log_dir)
   from_env()
   return None
 

@@ -17,13 +17,14 @@ from specjax import sampling as sampling_lib
 from specjax import sharding
 from specjax.benchmarks import report
 from specjax.decoding import autoregressive
-from specjax.drafters.settings import DrafterSettings, config_field, sampling_of
+from specjax.drafters.settings import DrafterSettings
 from specjax.errors import ConfigValueError
 from specjax.io.load import Model, load_model
+from specjax.settings import RunSettings, require
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateSettings:
+class GenerateSettings(RunSettings):
   """A generate run (`experiments/generate.py`): a chat prompt through AR or a
   drafting method, timed against AR interleaved."""
 
@@ -43,32 +44,6 @@ class GenerateSettings:
   mesh: str = ""  # 'data,model' device mesh (specjax.sharding); '': the default device
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
   drafter: DrafterSettings = DrafterSettings()
-
-  @classmethod
-  def of(cls, config) -> "GenerateSettings":
-    """From a run config (ConfigDict, mapping or object with these fields, the
-    sampling settings as temperature / top_k / top_p and the drafter's as
-    DrafterSettings' fields); missing or None fields take the defaults."""
-    if isinstance(config, cls):
-      return config
-    values = {}
-    for f in dataclasses.fields(cls):
-      if f.name not in ("sampling", "drafter"):
-        value = config_field(config, f.name)
-        if value is not None:
-          values[f.name] = value
-    return cls(**values, sampling=sampling_of(config), drafter=DrafterSettings.of(config))
-
-  @classmethod
-  def config_fields(cls) -> dict:
-    """{field: default} of a run config's own fields (the drafter's and the
-    mesh come from configs/common.py): the sampling settings flat."""
-    d = cls()
-    out = {f.name: getattr(d, f.name) for f in dataclasses.fields(cls)
-           if f.name not in ("sampling", "drafter", "mesh")}
-    out.update(temperature=d.sampling.temperature, top_k=d.sampling.top_k,
-               top_p=d.sampling.top_p)
-    return out
 
 
 def peak_rss_mb() -> float:
@@ -96,9 +71,7 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
   from specjax.decoding import speculative  # pylint: disable=import-outside-toplevel
   from specjax.drafters import registry  # pylint: disable=import-outside-toplevel
 
-  if not isinstance(c, GenerateSettings):
-    raise TypeError(f"generate takes a GenerateSettings (GenerateSettings.of(config) reads a "
-                    f"run config), got {type(c).__name__}")
+  require(c, GenerateSettings, "runner.generate")
   sampling = c.sampling
   methods = ("ar",) + registry.available_methods()
   if c.method not in methods:
@@ -109,7 +82,7 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
   prompt = model.tokenizer.encode_prompt(c.prompt, system=c.system)
   prompts = [prompt] * int(c.batch_size)
   new = int(c.max_new_tokens)
-  mesh = sharding.mesh_from_config(c)  # None: the default device
+  mesh = sharding.mesh_of(c.mesh)  # None: the default device
 
   def run_ar():
     return autoregressive.generate(model.params, model.cfg, prompts, key=int(c.seed),

@@ -99,9 +99,8 @@ def make_mesh(shape=None, devices: Optional[Sequence[Any]] = None) -> Mesh:
   return Mesh(np.asarray(devices[:n], dtype=object).reshape(shape), AXES)
 
 
-def mesh_from_config(c) -> Optional[Mesh]:
-  """The mesh a run config's `mesh` field names ('' or absent: none)."""
-  spec = getattr(c, "mesh", None) if not isinstance(c, dict) else c.get("mesh")
+def mesh_of(spec: Optional[str]) -> Optional[Mesh]:
+  """The mesh a run's `mesh` setting names ('data,model'; '' or None: none)."""
   # this process's devices (in a multi-process job each process decodes its own share)
   return None if parse_mesh_shape(spec) is None else make_mesh(spec, jax.local_devices())
 

@@ -51,7 +51,7 @@ def _config(tmp_path, **overrides):
   c.out = str(tmp_path / "out")
   for k, v in overrides.items():
     setattr(c, k, v)
-  return c
+  return specbench.BenchmarkSettings.of(c)  # what experiments/benchmark.py does
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +162,19 @@ def test_benchmark_refuses_repeated_or_unknown_methods(smollm2_short, tmp_path):
     c = _config(tmp_path, methods=methods)
     with pytest.raises(ValueError, match=match):
       specbench.run_benchmark(c, model=smollm2_short, progress=lambda line: None)
+
+
+def test_benchmark_takes_its_settings_dataclass(tmp_path):
+  """The configs' defaults are the dataclass's; a ConfigDict is refused (the
+  experiment main reads it into BenchmarkSettings once)."""
+  spec = importlib.util.spec_from_file_location("benchmark_config", CONFIG_FILE)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert specbench.BenchmarkSettings.of(module.get_config()) == specbench.BenchmarkSettings()
+  sample = specbench.BenchmarkSettings.of(module.get_config("sample"))
+  assert (sample.sampling.temperature, sample.sampling.top_p) == (0.7, 0.9)
+  with pytest.raises(TypeError, match="BenchmarkSettings"):
+    specbench.run_benchmark(module.get_config(), progress=lambda line: None)
 
 
 def test_resume_refuses_other_settings(bench, smollm2_short, tmp_path):

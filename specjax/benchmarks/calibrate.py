@@ -49,19 +49,20 @@ def predict(stats: dict, calib: dict) -> dict:
           "draft_frac": rounds * td / cost}
 
 
-def calibrate(model: Model, c, methods: Sequence[str], unit, sampling) -> dict:
+def calibrate(model: Model, drafter_settings, methods: Sequence[str], unit, sampling,
+              max_new_tokens: int) -> dict:
   """This machine's costs for the prediction column: target forward time for
   1 and k + 1 tokens at the first prompt's length (plus half the new tokens),
   and each drafter's proposal time, measured after the benchmark runs (so its
   compiles do not disturb them)."""
   tok = model.tokenizer
   prompt = tok.encode_chat(chat_messages(unit[0].turns[:1], []))
-  fill = len(prompt) + int(c.max_new_tokens) // 2
+  fill = len(prompt) + max_new_tokens // 2
   out = {}
   for m in methods:
-    drafter, dparams = registry.make_drafter(m, c, model, sampling=sampling,
+    drafter, dparams = registry.make_drafter(m, drafter_settings, model, sampling=sampling,
                                              reference=[[model.cfg.eos_id]],
-                                             reference_width=int(c.max_new_tokens))
+                                             reference_width=max_new_tokens)
     k = drafter.k
     # widths 1, 2, the middle and k + 1: shorter chains are priced from this curve
     # (linear between the measured widths); a tree's verify width is its node count + 1

@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import List, Optional, Sequence
 
 from specjax.errors import PromptFileError
 
 # Request ids (key derivation): question_id * TURN_IDS + turn.
 TURN_IDS = 16
+# The headline prompt set: Spec-Bench without its MT-Bench part, in the data
+# folder next to the repository (../shared/data).
+SPEC_BENCH = os.path.normpath(os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, os.pardir, "shared",
+    "data", "spec_bench", "question_excl_mtbench.jsonl"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,6 +40,7 @@ redoes that question.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import json
@@ -61,14 +62,16 @@ from specjax.analysis import theory
 from specjax.benchmarks import calibrate as calibrate_lib
 from specjax.benchmarks import report
 from specjax.benchmarks import specbench_report
-from specjax.benchmarks.questions import (TURN_IDS, chat_messages, load_questions, make_units,
-                                         unit_id)
+from specjax.benchmarks.questions import (SPEC_BENCH, TURN_IDS, chat_messages, load_questions,
+                                         make_units, unit_id)
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
+from specjax.drafters.settings import DrafterSettings
 from specjax.errors import ConfigValueError
 from specjax.io import jsonl
 from specjax.io.load import Model, load_model
+from specjax.settings import RunSettings, require
 
 LOG = "log.jsonl"
 PART_LOG = "log.process{}.jsonl"  # one process's records in a multi-process run
@@ -78,6 +81,33 @@ SETTINGS = ("model", "dtype", "k", "temperature", "top_k", "top_p", "batch_size"
             "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model",
             "checkpoint", "draft_vocab", "tree_nodes", "tree_mode", "tree_topk", "tree_width",
             "draft_stop", "mesh", "batch_invariant")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchmarkSettings(RunSettings):
+  """A Spec-Bench run (`experiments/benchmark.py`, configs/benchmark.py)."""
+
+  model: str = "smollm2-135m"
+  dtype: str = "float32"
+  # decode forwards bit for bit independent of the block (specjax.models.invariant):
+  # greedy speculative output equals greedy AR token for token; slower
+  batch_invariant: bool = False
+  prompts: str = SPEC_BENCH  # any JSONL file in Spec-Bench's format
+  methods: str = "prompt_lookup,layer_skip"  # comma-separated drafters; AR is always run
+  prompt_limit: Optional[int] = None  # questions per category; None: all
+  max_new_tokens: int = 128
+  batch_size: int = 1  # consecutive questions of one category decoded together
+  seed: int = 0
+  repeats: int = 3  # timed runs per method and question, interleaved with AR
+  out: str = "/tmp/specjax_benchmark"
+  # several processes of one JAX job on this machine share the units
+  # (loopback, gloo); each decodes on its own local_devices (0: JAX's default)
+  processes: int = 1
+  local_devices: int = 0
+  calibrate: bool = True  # measure forward / drafter costs for the predicted-speedup column
+  mesh: str = ""  # 'data,model' device mesh (specjax.sharding); '': the default device
+  sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
+  drafter: DrafterSettings = DrafterSettings()
 
 
 class Engine:
@@ -150,8 +180,8 @@ def _new_record(unit, method, repeats, settings_id):
   return rec
 
 
-def _run_unit(engine: Engine, c, unit, methods: Sequence[str], ar_done: Optional[dict],
-              settings_id: str, repeats: int, note: Callable[[str, int, int], None]):
+def _run_unit(engine: Engine, c: BenchmarkSettings, unit, methods: Sequence[str],
+              ar_done: Optional[dict], settings_id: str, repeats: int, note: Callable[[str, int, int], None]):
   """AR + `methods` interleaved on one unit -> records (AR's only if not done)."""
   model = engine.model
   tok, eos = model.tokenizer, model.cfg.eos_id
@@ -178,8 +208,8 @@ def _run_unit(engine: Engine, c, unit, methods: Sequence[str], ar_done: Optional
       shift = r % max(len(methods), 1)  # rotate the order across repeats
       for m in list(methods[shift:]) + list(methods[:shift]):
         if m not in built or m == "replay":
-          built[m] = registry.make_drafter(m, c, model, sampling=engine.sampling, reference=ref,
-                                           reference_width=engine.max_new)
+          built[m] = registry.make_drafter(m, c.drafter, model, sampling=engine.sampling,
+                                           reference=ref, reference_width=engine.max_new)
         note(m, t, r)
         res = engine.run(*built[m], prompts, ids)
         _add(recs[m], r, res, ref, eos)
@@ -302,8 +332,8 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
 # --- the run ----------------------------------------------------------------------------
 
 
-def _settings(c) -> dict:
-  out = report.config_settings(c, SETTINGS)
+def _settings(c: BenchmarkSettings) -> dict:
+  out = report.config_settings(c.flat(), SETTINGS)
   if not out["batch_invariant"]:  # off: records match those written before the setting existed
     del out["batch_invariant"]
   return out
@@ -328,13 +358,15 @@ def _read_logs(out: str) -> List[dict]:
   return records
 
 
-def run_benchmark(c, model: Optional[Model] = None,
+def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
                   progress: Optional[Callable[[str], None]] = None) -> dict:
-  """Run (or resume) the benchmark of config `c` (see configs/benchmark.py).
+  """Run (or resume) the benchmark of settings `c` (`BenchmarkSettings.of`
+  reads configs/benchmark.py's ConfigDict).
 
   Writes `c.out`/log.jsonl, results.json, results.md, speedup.png. Returns
   {"results": [...], "markdown": str, "runs": generations this call, ...}.
   """
+  require(c, BenchmarkSettings, "specbench.run_benchmark")
   t_start = time.perf_counter()
   commit = report.git_commit()  # the code this process runs, before anyone commits more
   progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -345,7 +377,8 @@ def run_benchmark(c, model: Optional[Model] = None,
     raise ConfigValueError(f"methods repeat a name: {methods}")
   for m in methods:  # fail before any work on an unknown method or a bad k
     try:
-      base, mc = registry.method_config(m, c)  # 'name@field=value...': the method's own fields
+      # 'name@field=value...': the method's own fields
+      base, mc = registry.method_config(m, c.drafter)
     except ValueError as e:
       raise ConfigValueError(str(e)) from e
     if base == "ar" or base not in registry.available_methods():
@@ -358,7 +391,7 @@ def run_benchmark(c, model: Optional[Model] = None,
   if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (repeats, batch_size)):
     raise ConfigValueError(f"repeats and batch_size must be integers >= 1, got {repeats!r}, "
                            f"{batch_size!r}")
-  sampling = registry.sampling_of(c)
+  sampling = c.sampling
   units = make_units(load_questions(c.prompts, c.prompt_limit), batch_size)
   os.makedirs(c.out, exist_ok=True)
   settings = _settings(c)
@@ -387,10 +420,9 @@ def run_benchmark(c, model: Optional[Model] = None,
   t_work = time.perf_counter()
   for n, unit in enumerate(todo):
     if engine is None:
-      model = model or load_model(c.model, c.dtype,
-                                 batch_invariant=getattr(c, "batch_invariant", False))
+      model = model or load_model(c.model, c.dtype, batch_invariant=c.batch_invariant)
       engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed),
-                      mesh=sharding.mesh_from_config(c))
+                      mesh=sharding.mesh_of(c.mesh))
     missing = [m for m in methods if (unit_id(unit), m) not in done]
     eta = ("?" if n == 0 else
            report.clock((time.perf_counter() - t_work) / n * (len(todo) - n)))
@@ -418,28 +450,29 @@ def run_benchmark(c, model: Optional[Model] = None,
   wanted = {unit_id(u) for u in units}
   records = [r for (u, m), r in done.items() if u in wanted and m in methods]
   meta = {
-      "temperature": sampling.temperature, "batch_size": batch_size, "k": c.k,
+      "temperature": sampling.temperature, "batch_size": batch_size, "k": c.drafter.k,
       "top_k": sampling.top_k, "top_p": sampling.top_p,
       "precision": engine.model.cfg.dtype if engine else str(c.dtype),
       "seed": int(c.seed), "max_new_tokens": int(c.max_new_tokens),
-      "checkpoints": {m: registry.drafter_id(m, c, engine.model if engine else None)
+      "checkpoints": {m: registry.drafter_id(m, c.drafter, engine.model if engine else None)
                       for m in methods},
-      "ks": {m: registry.method_config(m, c)[1].k for m in methods},
+      "ks": {m: registry.method_config(m, c.drafter)[1].k for m in methods},
       "commit": commit, "hardware": report.hardware(),
   }
   calib = None
   calib_path = os.path.join(c.out, "calibration.json")
   primary = distributed.is_primary()
-  if getattr(c, "calibrate", True) and units:
+  if c.calibrate and units:
     # Measured once per run directory (a resumed run reuses it; delete the file
     # to measure again); by process 0 in a multi-process run.
     calib = calibrate_lib.read_calibration(calib_path)
     missing = [m for m in methods if m not in calib]
     if missing and primary:
       model = model or (engine.model if engine else load_model(
-          c.model, c.dtype, batch_invariant=getattr(c, "batch_invariant", False)))
+          c.model, c.dtype, batch_invariant=c.batch_invariant))
       progress("calibrating: forward cost t_verify(n) and each drafter's proposal cost")
-      calib.update(calibrate_lib.calibrate(model, c, missing, units[0], sampling))
+      calib.update(calibrate_lib.calibrate(model, c.drafter, missing, units[0], sampling,
+                                           int(c.max_new_tokens)))
       with open(calib_path, "w") as f:
         json.dump(calib, f, indent=1)
     distributed.barrier("bench/calibrated")
