@@ -13,24 +13,25 @@ Variants (the text after ':'), combinable with '+' (e.g. `quick+nopeers`):
   nopeers  skip HF transformers
 """
 
+import importlib.util
+import os
+
 import ml_collections
 
-from specjax.peers import hf
+from specjax.benchmarks import ar
+
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
-  c.model = "smollm2-135m"
-  c.dtype = "float32"
-  # A prompt the model answers at length, so every run decodes max_new_tokens.
-  c.prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-  c.system = ml_collections.config_dict.placeholder(str)
-  c.max_new_tokens = 128
-  c.batch_sizes = (1, 4, 16)  # the prompt repeated B times
-  c.repeats = 5  # timed runs per configuration, after a compile / warm-up run
-  c.peers = hf.available()  # HF transformers side by side (the `peers` extra)
-  c.bandwidth_gib = 1.0  # size of the read-bandwidth probe
-  c.out = ml_collections.config_dict.placeholder(str)  # JSON results path
+  # The run's fields, one default each: specjax.benchmarks.ar.ARBenchmarkSettings
+  # (model, dtype, prompt, system, max_new_tokens, batch_sizes, repeats, peers
+  # (whether the `peers` extra is installed), bandwidth_gib, out).
+  common.settings_fields(c, ar.ARBenchmarkSettings)
   for variant in (arg or "").split("+"):
     if not variant:
       continue

@@ -5,22 +5,25 @@ float32 vs bfloat16, on the training prompts (specjax.benchmarks.datagen).
   python experiments/datagen.py --config=configs/datagen.py:quick
 """
 
+import importlib.util
+import os
+
 import ml_collections
+
+from specjax.benchmarks import datagen
+
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
-  c.model = "smollm2-135m"
-  c.sources = "alpaca,code_alpaca,gpteacher_code,gsm8k_train,xsum"
-  c.num_prompts = 64
-  c.max_prompt_tokens = 512
-  c.max_new_tokens = 256
-  c.batch_size = 16
-  c.dtypes = "float32,bfloat16"
-  c.ways = "static,continuous"
-  c.repeats = 2
-  c.seed = 0
-  c.out = ""  # a folder for results.json / results.md (optional)
+  # The run's fields, one default each: specjax.benchmarks.datagen.DatagenSettings
+  # (model, sources, num_prompts, max_prompt_tokens, max_new_tokens, batch_size,
+  # dtypes, ways, repeats, seed, out).
+  common.settings_fields(c, datagen.DatagenSettings)
   if arg == "quick":
     c.num_prompts, c.max_new_tokens, c.batch_size, c.repeats = 16, 64, 8, 1
   elif arg:

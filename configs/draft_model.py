@@ -27,19 +27,15 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config(arg=None):
-  c = common.training_config("draft_model", steps=1000, warmup=50, lr=5e-4, eval_every=250)
-  c.draft_layers = 4
-  c.init_layers = ""  # '' = the target's first draft_layers layers; else e.g. '0,1,2,29'
-  c.loss = "kl"
-  c.draft_vocab = 8192  # 0: the full vocabulary; else the N most frequent answer tokens
-  c.batch_seqs = 4
-  c.eval_k = 4
-  c.valid_max_seqs = 32
-  # 4 SmolLM2 layers are 57 MB in float32: the shipped weights are stored in
-  # bfloat16 (loading casts them to the target's dtype).
-  c.store_dtype = "bfloat16"
-  c.workdir = "/tmp/specjax_train/draft_model"
-  c.export = os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", "draft_model")
+  # The fields (specjax.training.settings.TrainSettings): the shared ones and
+  # the draft model's (draft_layers, init_layers, loss, draft_vocab, batch_seqs,
+  # eval_k, valid_max_seqs, store_dtype: 4 SmolLM2 layers are 57 MB in float32,
+  # the shipped weights are stored in bfloat16). It drafts from an 8192-token
+  # vocabulary by default (`:full`: the full one).
+  c = common.training_config(
+      "draft_model", steps=1000, lr=5e-4, draft_vocab=8192,
+      workdir="/tmp/specjax_train/draft_model",
+      export=os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", "draft_model"))
   if arg == "tiny":  # a tiny random target, trained in seconds (tests)
     c.update(dict(model="tiny", num_examples=24, max_new_tokens=24, seq_len=64,
                   feature_batch=8, draft_layers=1, steps=40, lr=3e-3, warmup=5,

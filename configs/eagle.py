@@ -23,21 +23,16 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config(arg=None, method="eagle"):
-  c = common.training_config(method, gen_batch_size=16, steps=2000, warmup=100)
-  c.draft_vocab = 0  # 0: the full vocabulary; else the N most frequent answer tokens
-  c.ttt_steps = 3 if method == "eagle3" else 1  # unrolled steps (EAGLE-3's training-time test)
-  c.w_reg = 1.0  # EAGLE: feature regression (smooth L1)
-  c.w_cls = 0.1 if method == "eagle" else 1.0
-  c.noise = 0.1  # EAGLE: uniform feature noise U(-noise, noise)
-  c.decay = 0.8  # weight of unrolled step s: decay**s
-  c.window = 128
-  c.batch_windows = 4
-  c.eval_k = 4
-  c.valid_max_windows = 48
+  # The fields (specjax.training.settings.TrainSettings): the shared ones and
+  # EAGLE's (draft_vocab, ttt_steps, w_reg, w_cls, noise, decay, window,
+  # batch_windows, eval_k, valid_max_windows). EAGLE-3 unrolls 3 steps (the
+  # training-time test) with the classification loss at full weight.
   # The shipped head is the reduced-vocabulary one (`:reduced`); a full-vocabulary
   # run exports beside it.
   shipped = os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", method)
-  c.export = shipped + "_full"
+  c = common.training_config(method, gen_batch_size=16, steps=2000, warmup=100,
+                             workdir=f"/tmp/specjax_train/{method}", export=shipped + "_full",
+                             **(dict(ttt_steps=3, w_cls=1.0) if method == "eagle3" else {}))
   if arg == "tiny":  # a tiny random target, trained in seconds (tests)
     c.update(dict(model="tiny", num_examples=24, max_new_tokens=24, seq_len=48,
                   feature_batch=8, window=16, batch_windows=8, steps=40, lr=3e-3, warmup=5,

@@ -10,21 +10,25 @@ first tokens is enumerable there); prints chi-square p-value and TV per setting
 with Holm's correction over the whole matrix.
 """
 
+import importlib.util
+import os
+
 import ml_collections
+
+from specjax.analysis import vetting
+
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
-  c.drafters = "draft_model,layer_skip,prompt_lookup,lookahead"
-  # name=temperature/top_k/top_p
-  c.samplings = "T1=1.0/0/1.0,T0.7=0.7/0/1.0,topk=1.0/4/1.0,topp=1.0/0/0.9"
-  c.ks = "1,3,5"
-  c.batch_sizes = "1,4"
-  c.num_samples = 100_000
-  c.num_tokens = 4
-  c.seed = 0
-  c.family_alpha = 1e-3
-  c.out = ""
+  # The matrix's fields, one default each: specjax.analysis.vetting.MatrixSettings
+  # (drafters, samplings, ks, batch_sizes, num_samples, num_tokens, seed,
+  # family_alpha, out).
+  common.settings_fields(c, vetting.MatrixSettings)
   if arg == "quick":
     c.drafters, c.samplings, c.ks, c.batch_sizes = "draft_model", "T1=1.0/0/1.0", "3", "1"
   elif arg:

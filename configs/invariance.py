@@ -14,33 +14,21 @@ import os
 
 import ml_collections
 
-_spec = importlib.util.spec_from_file_location(
-    "benchmark_config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark.py"))
-_bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_bench)
-SPEC_BENCH = _bench.SPEC_BENCH  # the Spec-Bench questions (without MT-Bench)
+from specjax.benchmarks import invariance
+
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
-  c.model = "smollm2-135m"
-  c.dtypes = "float32,bfloat16"
-  c.parts = "cost,identity"  # or "report": the identity table from `out`/identity.jsonl, nothing run
-  # cost
-  c.prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
-  c.max_new_tokens = 64
-  c.k = 4
-  c.repeats = 4
-  c.verify_calls = 20
-  c.verify_batches = "1,4"  # t_verify(k + 1) at these batch sizes
-  # identity: every drafter, chains and trees, on the headline prompt set
-  c.prompts = SPEC_BENCH
-  c.prompt_limit = 10  # the first N questions of each category
-  c.batch_size = 10
-  c.modes = "on,off"  # batch_invariant on (the claim), off (what the default forward does)
-  c.methods = ("prompt_lookup,layer_skip,draft_model,medusa,blockwise,eagle,eagle3,lookahead,"
-               "replay,medusa_tree,eagle_tree,eagle3_tree,lookahead_tree")
-  c.out = ""
+  # The run's fields, one default each: specjax.benchmarks.invariance.InvarianceSettings
+  # (model, dtypes, parts; cost: prompt, max_new_tokens, repeats, verify_calls,
+  # verify_batches; identity: prompts (Spec-Bench), prompt_limit, batch_size, modes,
+  # methods; out), and the drafters' (k: the draft length and the verify block).
+  common.settings_fields(c, invariance.InvarianceSettings)
   if arg == "quick":
     c.parts, c.repeats, c.verify_calls, c.max_new_tokens = "cost", 1, 3, 8
   elif arg == "small":  # identity on one question per category, 32 tokens

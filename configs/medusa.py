@@ -21,12 +21,10 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def get_config(arg=None):
-  c = common.training_config("medusa")
-  c.num_heads = 4
-  c.decay = 0.8
-  c.batch_positions = 128
-  c.valid_max_positions = 4096
-  c.export = os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", "medusa")
+  # the fields (specjax.training.settings.TrainSettings): the shared ones and
+  # Medusa's (num_heads, decay, batch_positions, valid_max_positions)
+  c = common.training_config(
+      "medusa", export=os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", "medusa"))
   if arg == "tiny":  # a tiny random target, trained in seconds (tests)
     c.update(dict(model="tiny", num_examples=24, max_new_tokens=24, seq_len=48,
                   feature_batch=8, num_heads=3, steps=40, batch_positions=64, lr=3e-3,

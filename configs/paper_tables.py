@@ -12,21 +12,24 @@ max_new_tokens, repeats, temperature, ...), plus the tables' own.
 import importlib.util
 import os
 
-_BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmark.py")
+import ml_collections
+
+from specjax.benchmarks import paper_tables
+
+_spec = importlib.util.spec_from_file_location(  # configs/common.py: what run configs share
+    "specjax_configs_common", os.path.join(os.path.dirname(os.path.abspath(__file__)), "common.py"))
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 
 def get_config(arg=None):
-  spec = importlib.util.spec_from_file_location("benchmark_config", _BENCH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  c = module.get_config(arg)
-  with c.unlocked():
-    c.tables = "all"  # leviathan, specbench, gamma, batch, expected (comma-separated) or all
-    c.methods = "draft_model,eagle3,prompt_lookup"
-    c.prompt_limit = 1
-    c.max_new_tokens = 96
-    c.repeats = 2
-    c.ks = "1,2,3,4,6,8"  # gamma: the draft lengths swept
-    c.batch_sizes = "1,2,4,8,16,32"  # batch: B consecutive prompts of a category per unit
-    c.out = "/tmp/specjax_tables"
+  c = ml_collections.ConfigDict()
+  # The run's fields, one default each: specjax.benchmarks.paper_tables.PaperTablesSettings,
+  # i.e. every field of configs/benchmark.py (specbench.BenchmarkSettings; the tables'
+  # own defaults for methods, prompt_limit, max_new_tokens, repeats and out) plus
+  # tables, ks (gamma) and batch_sizes (batch), and the drafters' (None: the method's
+  # default).
+  common.settings_fields(c, paper_tables.PaperTablesSettings)
+  common.apply_variants(c, arg, "configs/paper_tables.py")
+  c.lock()
   return c

@@ -17,14 +17,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/ar_benchmark.py",
 
 def main(argv):
   del argv
-  c = _CONFIG.value
-  out = ar.run_ar_benchmark(c, log=lambda line: print(line, flush=True))
+  settings = ar.ARBenchmarkSettings.of(_CONFIG.value)  # the ConfigDict, read once
+  out = ar.run_ar_benchmark(settings, log=lambda line: print(line, flush=True))
   print()
   print(ar.format_table(out))
-  if c.out:
-    with open(c.out, "w", encoding="utf-8") as f:
-      json.dump({"config": c.to_dict(), **out}, f, indent=1)
-    print(f"wrote {c.out}")
+  if settings.out:
+    with open(settings.out, "w", encoding="utf-8") as f:
+      json.dump({"config": settings.flat(), **out}, f, indent=1)
+    print(f"wrote {settings.out}")
 
 
 if __name__ == "__main__":

@@ -16,14 +16,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/datagen.py", "Run c
 
 def main(argv):
   del argv
-  c = _CONFIG.value
-  out = datagen.run(c)
+  settings = datagen.DatagenSettings.of(_CONFIG.value)  # the ConfigDict, read once
+  out = datagen.run(settings)
   print(out["markdown"])
-  if c.out:
-    os.makedirs(c.out, exist_ok=True)
-    with open(os.path.join(c.out, "results.json"), "w") as f:
-      json.dump({"config": c.to_dict(), "rows": out["rows"]}, f, indent=1)
-    with open(os.path.join(c.out, "results.md"), "w") as f:
+  if settings.out:
+    os.makedirs(settings.out, exist_ok=True)
+    with open(os.path.join(settings.out, "results.json"), "w") as f:
+      json.dump({"config": settings.flat(), "rows": out["rows"]}, f, indent=1)
+    with open(os.path.join(settings.out, "results.md"), "w") as f:
       f.write(out["markdown"] + "\n")
 
 

@@ -15,9 +15,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/exactness.py", "Mat
 
 def main(argv):
   del argv
-  rows = vetting.run_matrix(_CONFIG.value, log=print)
-  if _CONFIG.value.out:
-    with open(_CONFIG.value.out, "w") as f:
+  settings = vetting.MatrixSettings.of(_CONFIG.value)  # the ConfigDict, read once
+  rows = vetting.run_matrix(settings, log=print)
+  if settings.out:
+    with open(settings.out, "w") as f:
       json.dump(rows, f, indent=1)
 
 

@@ -16,15 +16,15 @@ _CONFIG = config_flags.DEFINE_config_file("config", "configs/invariance.py", "Ru
 
 def main(argv):
   del argv
-  c = _CONFIG.value
-  out = invariance.run(c)
+  settings = invariance.InvarianceSettings.of(_CONFIG.value)  # the ConfigDict, read once
+  out = invariance.run(settings)
   print(out["markdown"])
-  if c.out:
-    os.makedirs(c.out, exist_ok=True)
-    with open(os.path.join(c.out, "results.json"), "w") as f:
-      json.dump({"config": c.to_dict(), "cost": out["cost"], "identity": out["identity"]}, f,
-                indent=1)
-    with open(os.path.join(c.out, "results.md"), "w") as f:
+  if settings.out:
+    os.makedirs(settings.out, exist_ok=True)
+    with open(os.path.join(settings.out, "results.json"), "w") as f:
+      json.dump({"config": settings.flat(), "cost": out["cost"], "identity": out["identity"]},
+                f, indent=1)
+    with open(os.path.join(settings.out, "results.md"), "w") as f:
       f.write(out["markdown"])
 
 

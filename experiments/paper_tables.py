@@ -25,12 +25,13 @@ def main(argv):
   # --config.processes=N: N processes of one JAX job share the units (this
   # command starts them; process 0 writes the results, the others log to
   # out/process_<i>.log)
-  status = distributed.run_as_job(_CONFIG.value, log_dir=_CONFIG.value.out)
+  settings = paper_tables.PaperTablesSettings.of(_CONFIG.value)  # the ConfigDict, read once
+  status = distributed.run_as_job(settings.processes, settings.local_devices,
+                                  log_dir=settings.out)
   if status is not None:
     sys.exit(status)
   specjax.use_compilation_cache()
-  out = paper_tables.run(_CONFIG.value,
-                         progress=lambda line: print(line, file=sys.stderr, flush=True))
+  out = paper_tables.run(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
   for name, table in out.items():
     if distributed.is_primary():
       print(f"## {name}\n\n{table['markdown']}")

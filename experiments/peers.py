@@ -27,7 +27,8 @@ def main(argv):
   del argv
   # Compiles are excluded from the timings; the cache only saves their wall time.
   specjax.use_compilation_cache()
-  out = peers.run_peers(_CONFIG.value, progress=_progress)
+  settings = peers.PeersSettings.of(_CONFIG.value)  # the ConfigDict, read once
+  out = peers.run_peers(settings, progress=_progress)
   print(out["markdown"])
 
 

@@ -20,14 +20,17 @@ from ml_collections import config_flags
 
 import specjax
 from specjax import distributed
+from specjax.training.settings import TrainSettings
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/medusa.py", "Training config.")
 
 
 def main(argv):
   del argv
-  c = _CONFIG.value
-  status = distributed.run_as_job(c, log_dir=c.workdir)  # before JAX starts a backend
+  # the ConfigDict, read once; a job's other processes re-run this command line
+  settings = TrainSettings.of(_CONFIG.value)
+  status = distributed.run_as_job(settings.processes, settings.local_devices,
+                                  log_dir=settings.workdir)  # before JAX starts a backend
   if status is not None:  # this was the launcher: the job has ended
     sys.exit(status)
   from specjax.training import run  # pylint: disable=import-outside-toplevel
@@ -36,7 +39,7 @@ def main(argv):
   # resume costs the restore, not the first step's compile again (jax's
   # default threshold, 1 s of compile time, or JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS).
   specjax.use_compilation_cache()
-  out = run.run(c)
+  out = run.run(settings)
   if distributed.is_primary():
     print(json.dumps(out, indent=1, default=str))
 

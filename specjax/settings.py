@@ -54,6 +54,8 @@ class RunSettings:
     is returned as it is (with the overrides replaced in)."""
     if isinstance(config, cls):
       return dataclasses.replace(config, **overrides) if overrides else config
+    if isinstance(config, RunSettings):  # another run's settings: by their flat names
+      config = config.flat()
     values = {}
     for f in dataclasses.fields(cls):
       kind = _nested_kind(cls, f.name)

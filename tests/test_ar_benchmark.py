@@ -33,7 +33,7 @@ def small_config(**overrides):
   with c.unlocked():
     c.max_new_tokens, c.batch_sizes, c.repeats, c.bandwidth_gib = 6, (1, 3), 2, 1 / 128
     c.update(overrides)
-  return c
+  return ar.ARBenchmarkSettings.of(c)  # what experiments/ar_benchmark.py does
 
 
 def positive(x) -> bool:
@@ -98,6 +98,16 @@ def test_config_variants():
   assert (q.max_new_tokens, q.peers, q.dtype) == (16, False, "bfloat16")
   with pytest.raises(ValueError, match="unknown variant"):
     get_config("fast")
+
+
+def test_ar_benchmark_takes_its_settings_dataclass():
+  """The config's defaults are the dataclass's; a ConfigDict is refused (the
+  experiment main reads it into ARBenchmarkSettings once)."""
+  assert ar.ARBenchmarkSettings.of(get_config()) == ar.ARBenchmarkSettings()
+  q = ar.ARBenchmarkSettings.of(get_config("quick+nopeers+bf16"))
+  assert (q.max_new_tokens, q.batch_sizes, q.peers, q.dtype) == (16, (1,), False, "bfloat16")
+  with pytest.raises(TypeError, match="ARBenchmarkSettings"):
+    ar.run_ar_benchmark(get_config("quick+nopeers"), prompt_ids=[1, 5, 9])
 
 
 # --- the benchmark on a tiny random model -------------------------------------------------

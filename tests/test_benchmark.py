@@ -8,6 +8,7 @@ one shape bucket so each method compiles once) is shared by the tests; a
 second run over the same `out` must resume without generating anything.
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -35,15 +36,22 @@ FIELDS = ("method", "category", "speedup", "tau", "alpha", "tokens_per_s", "ar_t
 
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "benchmark.py")
+TABLES_CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs",
+                                  "paper_tables.py")
 
 
-def _config(tmp_path, **overrides):
-  path = tmp_path / "questions.jsonl"
-  path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-  spec = importlib.util.spec_from_file_location("benchmark_config", CONFIG_FILE)
+def _config_module(path=CONFIG_FILE):
+  spec = importlib.util.spec_from_file_location("benchmark_config", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  c = module.get_config()
+  return module
+
+
+def _config(tmp_path, config_file=CONFIG_FILE, settings=specbench.BenchmarkSettings,
+            **overrides):
+  path = tmp_path / "questions.jsonl"
+  path.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+  c = _config_module(config_file).get_config()
   c.prompts = str(path)
   c.methods = ",".join(METHODS)
   c.max_new_tokens = 8
@@ -51,7 +59,7 @@ def _config(tmp_path, **overrides):
   c.out = str(tmp_path / "out")
   for k, v in overrides.items():
     setattr(c, k, v)
-  return specbench.BenchmarkSettings.of(c)  # what experiments/benchmark.py does
+  return settings.of(c)  # what experiments/benchmark.py does
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +175,7 @@ def test_benchmark_refuses_repeated_or_unknown_methods(smollm2_short, tmp_path):
 def test_benchmark_takes_its_settings_dataclass(tmp_path):
   """The configs' defaults are the dataclass's; a ConfigDict is refused (the
   experiment main reads it into BenchmarkSettings once)."""
-  spec = importlib.util.spec_from_file_location("benchmark_config", CONFIG_FILE)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  module = _config_module()
   assert specbench.BenchmarkSettings.of(module.get_config()) == specbench.BenchmarkSettings()
   sample = specbench.BenchmarkSettings.of(module.get_config("sample"))
   assert (sample.sampling.temperature, sample.sampling.top_p) == (0.7, 0.9)
@@ -225,9 +231,8 @@ def test_paper_tables_end_to_end(smollm2_short, tmp_path):
   """Every table on the fixture prompts (prompt lookup; 8 tokens): files written,
   rows consistent with the runs behind them."""
   from specjax.benchmarks import paper_tables  # pylint: disable=import-outside-toplevel
-  c = _config(tmp_path, methods="prompt_lookup")
-  with c.unlocked():
-    c.tables, c.ks, c.batch_sizes = "all", "1,2", "1,2"
+  c = _config(tmp_path, TABLES_CONFIG_FILE, paper_tables.PaperTablesSettings,
+              methods="prompt_lookup", tables="all", ks="1,2", batch_sizes="1,2")
   out = paper_tables.run(c, model=smollm2_short, progress=lambda line: None)
   for name in paper_tables.TABLES:
     for ext in ("md", "json", "png"):
@@ -247,5 +252,28 @@ def test_paper_tables_end_to_end(smollm2_short, tmp_path):
   # k' = k: the histogram's own mean tokens per round
   assert exp[-1]["measured_tokens"] >= exp[0]["measured_tokens"] >= 1.0
   with pytest.raises(ValueError, match="unknown table"):
-    c.tables = "nope"
-    paper_tables.run(c, model=smollm2_short)
+    paper_tables.run(dataclasses.replace(c, tables="nope"), model=smollm2_short)
+
+
+def test_paper_tables_take_their_settings_dataclass():
+  """configs/paper_tables.py's defaults are PaperTablesSettings'; its runs are
+  BenchmarkSettings of the same values (the same settings ids); a ConfigDict
+  is refused."""
+  from specjax.benchmarks import paper_tables  # pylint: disable=import-outside-toplevel
+  module = _config_module(TABLES_CONFIG_FILE)
+  settings = paper_tables.PaperTablesSettings.of(module.get_config())
+  assert settings == paper_tables.PaperTablesSettings()
+  assert (settings.methods, settings.prompt_limit, settings.out) == (
+      "draft_model,eagle3,prompt_lookup", 1, "/tmp/specjax_tables")
+  variant = paper_tables.PaperTablesSettings.of(module.get_config("sample+bf16"))
+  assert (variant.dtype, variant.sampling.temperature, variant.sampling.top_p) == (
+      "bfloat16", 0.7, 0.9)
+  sub = paper_tables._sub(variant, "/tmp/x", batch_size=2)  # pylint: disable=protected-access
+  assert type(sub) is specbench.BenchmarkSettings and (sub.out, sub.batch_size) == ("/tmp/x", 2)
+  bench = _config_module().get_config("sample+bf16")
+  bench.update(methods=variant.methods, prompt_limit=1, max_new_tokens=96, repeats=2,
+               batch_size=2, out="/tmp/x")
+  assert sub == specbench.BenchmarkSettings.of(bench)
+  for fn in (paper_tables.run, paper_tables.leviathan, paper_tables.gamma):
+    with pytest.raises(TypeError, match="PaperTablesSettings"):
+      fn(module.get_config())

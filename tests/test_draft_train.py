@@ -23,6 +23,7 @@ from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.io import checkpoints
 from specjax.training import draft_train, loop, run
+from specjax.training.settings import TrainSettings
 
 pytestmark = pytest.mark.slow  # tiny distillation runs (~1 min): the full suite, not the fast tier
 
@@ -33,8 +34,8 @@ def trained(tmp_path_factory, load_config):
   root = tmp_path_factory.mktemp("draft_model")
   out = {}
   for variant in ("tiny", "tiny_reduced"):
-    c = load_config("draft_model.py", variant, workdir=root / variant,
-                    export=root / variant / "export")
+    c = TrainSettings.of(load_config("draft_model.py", variant, workdir=root / variant,
+                                     export=root / variant / "export"))
     out[variant] = (c, run.run(c, progress=lambda s: None))
   return out, root
 
@@ -86,7 +87,8 @@ def test_tiny_distillation_lowers_the_divergence_and_exports(trained, tiny_targe
 
 def test_killed_run_resumes_to_identical_parameters(trained, load_config):
   (c, _), root = trained[0]["tiny"], trained[1]
-  cut = load_config("draft_model.py", "tiny", workdir=root / "cut", export="")
+  cut = TrainSettings.of(load_config("draft_model.py", "tiny", workdir=root / "cut",
+                                     export=""))
   assert run.run(cut, progress=lambda s: None, stop_after=15)["step"] == 15
   assert run.run(cut, progress=lambda s: None)["step"] == c.steps
   a, step_a = loop.latest_params(c.workdir)

@@ -19,6 +19,7 @@ from specjax.drafters.base import Context, Target
 from specjax.models import cache as cache_lib
 from specjax.io import checkpoints
 from specjax.training import eagle_train, loop, run
+from specjax.training.settings import TrainSettings
 
 pytestmark = pytest.mark.slow  # tiny EAGLE / EAGLE-3 training runs (~3 min): the full suite, not the fast tier
 
@@ -32,7 +33,8 @@ def trained(tmp_path_factory, load_config):
   out = {}
   for name, cfg_file, variant in (("eagle", "eagle.py", "tiny"),
                                   ("eagle3", "eagle3.py", "tiny_reduced")):
-    c = load_config(cfg_file, variant, workdir=root / name, export=root / name / "export")
+    c = TrainSettings.of(load_config(cfg_file, variant, workdir=root / name,
+                                     export=root / name / "export"))
     out[name] = (c, run.run(c, progress=lambda s: None))
   return out, root
 
@@ -71,7 +73,8 @@ def test_tiny_training_lowers_the_loss_and_exports(trained, tiny_target, name):
 
 def test_killed_eagle3_run_resumes_to_identical_parameters(trained, load_config):
   (c, _), root = trained[0]["eagle3"], trained[1]
-  cut = load_config("eagle3.py", "tiny_reduced", workdir=root / "cut", export="")
+  cut = TrainSettings.of(load_config("eagle3.py", "tiny_reduced", workdir=root / "cut",
+                                     export=""))
   first = run.run(cut, progress=lambda s: None, stop_after=15)  # "killed" after step 15
   assert first["step"] == 15
   resumed = run.run(cut, progress=lambda s: None)  # from the step-10 checkpoint

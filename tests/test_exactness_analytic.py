@@ -9,6 +9,7 @@ import pytest
 from scipy import stats
 
 from specjax.analysis import exactness as ex
+from specjax.analysis import vetting
 
 
 def _onehot(i, V):
@@ -223,3 +224,14 @@ def test_holm_bonferroni_controls_family_wise_error():
   rng = np.random.default_rng(7)
   false_rejections = sum(ex.holm_bonferroni(rng.random(20), 0.05).any() for _ in range(2000))
   assert false_rejections / 2000 < 0.07
+
+
+def test_exactness_matrix_takes_its_settings_dataclass(load_config):
+  """configs/exactness.py's defaults are vetting.MatrixSettings'; a ConfigDict
+  is refused (experiments/exactness.py reads it into MatrixSettings once)."""
+  assert vetting.MatrixSettings.of(load_config("exactness.py")) == vetting.MatrixSettings()
+  quick = vetting.MatrixSettings.of(load_config("exactness.py", "quick"))
+  assert (quick.drafters, quick.samplings, quick.ks, quick.batch_sizes) == (
+      "draft_model", "T1=1.0/0/1.0", "3", "1")
+  with pytest.raises(TypeError, match="MatrixSettings"):
+    vetting.run_matrix(load_config("exactness.py", "quick"), log=lambda line: None)

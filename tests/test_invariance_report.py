@@ -1,13 +1,18 @@
 """The batch-invariance identity run's table from its log (`parts=report`):
-what a partial, resumable run holds so far, read without running anything."""
+what a partial, resumable run holds so far, read without running anything;
+and the run's settings (configs/invariance.py, InvarianceSettings)."""
 
+import importlib.util
 import json
+import os
 import types
 
 import pytest
 
 from specjax.benchmarks import invariance
 from specjax.errors import ConfigValueError
+
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "invariance.py")
 
 
 def _config(tmp_path, **kw):
@@ -19,11 +24,11 @@ def _config(tmp_path, **kw):
               max_new_tokens=8, prompts=str(questions), prompt_limit=10, batch_size=2,
               methods="prompt_lookup,eagle3", out=str(tmp_path), parts="report")
   base.update(kw)
-  return types.SimpleNamespace(**base)
+  return invariance.InvarianceSettings.of(types.SimpleNamespace(**base))
 
 
 def _record(c, method, ids, identical, first=None):
-  return {"settings": {"model": c.model, "max_new_tokens": c.max_new_tokens, "k": c.k,
+  return {"settings": {"model": c.model, "max_new_tokens": c.max_new_tokens, "k": c.drafter.k,
                        "batch_size": c.batch_size},
           "dtype": "float32", "batch_invariant": True, "method": method, "question_ids": ids,
           "identical": identical, "first_divergence": first or [None] * len(ids)}
@@ -55,3 +60,26 @@ def test_report_refuses_a_log_of_other_settings_and_a_missing_out(tmp_path):
     invariance.run(_config(tmp_path, out=""), progress=lambda s: None)
   with pytest.raises(ConfigValueError, match="parts must be"):
     invariance.run(_config(tmp_path, parts="cost,magic"), progress=lambda s: None)
+
+
+def _get_config(arg=None):
+  spec = importlib.util.spec_from_file_location("invariance_config", CONFIG_FILE)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def test_invariance_takes_its_settings_dataclass(tmp_path):
+  """The config's defaults are the dataclass's; a ConfigDict is refused (the
+  experiment main reads it into InvarianceSettings once); the records' settings
+  are the same four fields as ever unless a drafter field is set."""
+  settings = invariance.InvarianceSettings.of(_get_config())
+  assert settings == invariance.InvarianceSettings()
+  assert invariance._log_settings(settings) == {  # pylint: disable=protected-access
+      "model": "smollm2-135m", "max_new_tokens": 64, "k": 4, "batch_size": 10}
+  small = invariance.InvarianceSettings.of(_get_config("small"))
+  assert (small.parts, small.prompt_limit, small.batch_size) == ("identity", 1, 1)
+  with pytest.raises(TypeError, match="InvarianceSettings"):
+    invariance.run(_get_config("small"), progress=lambda s: None)
+  c = _config(tmp_path, tree_nodes=8)
+  assert invariance._log_settings(c)["tree_nodes"] == 8  # pylint: disable=protected-access

@@ -1,5 +1,6 @@
 """Medusa / blockwise: training (tiny target, seconds), exact resume,
-checkpoints tied to their target, and the drafter's round-to-round state."""
+checkpoints tied to their target, and the drafter's round-to-round state;
+the training configs' settings (TrainSettings)."""
 
 import json
 import os
@@ -14,11 +15,54 @@ from specjax.decoding import speculative as sp
 from specjax.drafters import medusa
 from specjax.io import checkpoints
 from specjax.training import loop, run
+from specjax.training.settings import TrainSettings
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = os.path.join(REPO, "specjax", "checkpoints", "smollm2-135m")
+# Each training config's choices over the dataclass's defaults (per method).
+OVERRIDES = {
+    "medusa.py": dict(method="medusa", export=os.path.join(SHIPPED, "medusa")),
+    "eagle.py": dict(method="eagle", gen_batch_size=16, steps=2000, warmup=100,
+                     workdir="/tmp/specjax_train/eagle",
+                     export=os.path.join(SHIPPED, "eagle_full")),
+    "eagle3.py": dict(method="eagle3", gen_batch_size=16, steps=2000, warmup=100, ttt_steps=3,
+                      w_cls=1.0, workdir="/tmp/specjax_train/eagle3",
+                      export=os.path.join(SHIPPED, "eagle3_full")),
+    "draft_model.py": dict(method="draft_model", steps=1000, lr=5e-4, draft_vocab=8192,
+                           workdir="/tmp/specjax_train/draft_model",
+                           export=os.path.join(SHIPPED, "draft_model")),
+}
+
+
+@pytest.mark.parametrize("filename", sorted(OVERRIDES))
+def test_training_configs_take_the_settings_defaults(load_config, filename):
+  """A training config's settings are the dataclass's defaults but for its
+  method's own choices; it carries the shared fields and its method's."""
+  c = load_config(filename)
+  settings = TrainSettings.of(c)
+  assert settings == TrainSettings(**OVERRIDES[filename])
+  assert sorted(c.keys()) == sorted(TrainSettings.config_fields(settings.method))
+  assert settings.config() == c.to_dict()  # what an exported card records
+  for variant in ("tiny", "tiny_reduced") if filename != "medusa.py" else ("tiny",):
+    assert TrainSettings.of(load_config(filename, variant)).model == run.TINY
+
+
+def test_run_takes_its_settings_dataclass(load_config, tmp_path):
+  """A ConfigDict is refused (experiments/train.py reads it into TrainSettings
+  once); an unknown method fails before any work."""
+  c = load_config("medusa.py", "tiny", workdir=tmp_path / "w", export="")
+  with pytest.raises(TypeError, match="TrainSettings"):
+    run.run(c, progress=lambda s: None)
+  with pytest.raises(ValueError, match="unknown drafter to train 'nope'"):
+    run.run(TrainSettings.of(c, method="nope"), progress=lambda s: None)
+  assert not os.path.exists(tmp_path / "w")
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, load_config):
   root = tmp_path_factory.mktemp("medusa")
-  c = load_config("medusa.py", "tiny", workdir=root / "full", export=root / "export")
+  c = TrainSettings.of(load_config("medusa.py", "tiny", workdir=root / "full",
+                                   export=root / "export"))
   out = run.run(c, progress=lambda s: None)
   return c, out, root
 
@@ -37,7 +81,7 @@ def test_tiny_training_lowers_the_loss_and_exports(trained):
 
 def test_killed_run_resumes_to_identical_parameters(trained, load_config):
   c, _, root = trained
-  cut = load_config("medusa.py", "tiny", workdir=root / "cut", export="")
+  cut = TrainSettings.of(load_config("medusa.py", "tiny", workdir=root / "cut", export=""))
   first = run.run(cut, progress=lambda s: None, stop_after=15)  # "killed" after step 15
   assert first["step"] == 15 and "estimate" not in first
   resumed = run.run(cut, progress=lambda s: None)  # restarts from the step-10 checkpoint

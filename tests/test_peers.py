@@ -97,12 +97,31 @@ def test_llamacpp_absent_names_the_extra(tiny):
     llamacpp.load(tiny["target"])
 
 
-def _peers_config(tmp_path, tiny, **overrides):
+def _config_module():
   spec = importlib.util.spec_from_file_location("configs_peers",
                                                 os.path.join(ROOT, "configs", "peers.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  c = module.get_config("quick+f32")
+  return module
+
+
+def test_peers_take_their_settings_dataclass():
+  """The config's defaults are the dataclass's, its variants apply; a
+  ConfigDict is refused (the experiment main reads it into PeersSettings once)."""
+  module = _config_module()
+  assert peers_bench.PeersSettings.of(module.get_config()) == peers_bench.PeersSettings()
+  quick = peers_bench.PeersSettings.of(module.get_config("quick+f32"))
+  assert (quick.prompt_limit, quick.max_new_tokens, quick.repeats, quick.dtype) == (
+      1, 32, 1, "float32")
+  assert peers_bench.like_for_like_methods(quick) == {
+      "draft model": "draft_model@k=4@draft_vocab=full",
+      "prompt lookup": "prompt_lookup@k=4@max_ngram=3@min_ngram=1"}
+  with pytest.raises(TypeError, match="PeersSettings"):
+    peers_bench.run_peers(module.get_config(), progress=lambda line: None)
+
+
+def _peers_config(tmp_path, tiny, **overrides):
+  c = _config_module().get_config("quick+f32")
   prompts = tmp_path / "q.jsonl"
   prompts.write_text("".join(json.dumps({"question_id": i, "category": cat, "turns": [t]}) + "\n"
                              for i, cat, t in [(7, "summarization", "Repeat: the cat sat."),
@@ -114,7 +133,7 @@ def _peers_config(tmp_path, tiny, **overrides):
                   # the like-for-like prompt lookup: marked best, not run twice
                   best="prompt_lookup@k=3@max_ngram=2@min_ngram=1")
   c.update({**settings, **overrides})
-  return c
+  return peers_bench.PeersSettings.of(c)  # what experiments/peers.py does
 
 
 @pytest.mark.slow  # the whole experiment through transformers

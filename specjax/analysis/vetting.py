@@ -1,7 +1,9 @@
-"""The exactness matrix behind experiments/exactness.py (configs/exactness.py)."""
+"""The exactness matrix behind experiments/exactness.py (configs/exactness.py,
+MatrixSettings)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -9,9 +11,27 @@ import numpy as np
 from specjax import sampling as sampling_lib
 from specjax.analysis import exactness
 from specjax.analysis import montecarlo
+from specjax.settings import RunSettings, require
 
 # Prompts of the tiny vocabulary: B = 4 is a ragged batch of these.
 PROMPTS = [[3, 5, 1, 6], [2, 7], [4, 4, 1, 3, 4], [6]]
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixSettings(RunSettings):
+  """An exactness matrix (`experiments/exactness.py`, configs/exactness.py):
+  drafters x samplings x ks x batch_sizes, each a comma-separated list."""
+
+  drafters: str = "draft_model,layer_skip,prompt_lookup,lookahead"  # of `make_tiny_drafter`
+  # name=temperature/top_k/top_p
+  samplings: str = "T1=1.0/0/1.0,T0.7=0.7/0/1.0,topk=1.0/4/1.0,topp=1.0/0/0.9"
+  ks: str = "1,3,5"
+  batch_sizes: str = "1,4"  # B rows of PROMPTS (B = 4: a ragged batch)
+  num_samples: int = 100_000  # requests per setting, shared by its B prompts
+  num_tokens: int = 4  # the joint law of the first num_tokens emitted tokens
+  seed: int = 0
+  family_alpha: float = 1e-3  # Holm's family-wise level over the whole matrix
+  out: str = ""  # a JSON file of the rows (written by experiments/exactness.py; '': none)
 
 
 def make_tiny_drafter(name: str, k: int, dcfg):
@@ -42,7 +62,11 @@ def parse_samplings(spec: str):
   return out
 
 
-def run_matrix(c, log=print) -> list:
+def run_matrix(c: MatrixSettings, log=print) -> list:
+  """Vet every setting of `c` (`MatrixSettings.of(config)` reads
+  configs/exactness.py's ConfigDict) -> one row per (setting, prompt), with
+  Holm's verdict over the whole matrix."""
+  require(c, MatrixSettings, "vetting.run_matrix")
   params, cfg, dparams, dcfg = montecarlo.tiny_pair()
   samplings = parse_samplings(c.samplings)
   rows = []

@@ -19,9 +19,10 @@ measured the way the later benchmarks will be:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -33,6 +34,24 @@ from specjax.benchmarks import report
 from specjax.decoding import autoregressive
 from specjax.io.load import Model, load_model
 from specjax.peers import hf  # imports torch / transformers only when used
+from specjax.settings import RunSettings, require
+
+
+@dataclasses.dataclass(frozen=True)
+class ARBenchmarkSettings(RunSettings):
+  """An AR benchmark run (`experiments/ar_benchmark.py`, configs/ar_benchmark.py)."""
+
+  model: str = "smollm2-135m"
+  dtype: str = "float32"
+  # A prompt the model answers at length, so every run decodes max_new_tokens.
+  prompt: str = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+  system: Optional[str] = None
+  max_new_tokens: int = 128
+  batch_sizes: Tuple[int, ...] = (1, 4, 16)  # the prompt repeated B times
+  repeats: int = 5  # timed runs per configuration, after a compile / warm-up run
+  peers: bool = hf.available()  # HF transformers side by side (the `peers` extra)
+  bandwidth_gib: float = 1.0  # size of the read-bandwidth probe
+  out: Optional[str] = None  # JSON results path (written by experiments/ar_benchmark.py)
 
 
 def spread(values: Sequence[float]) -> dict:
@@ -86,13 +105,14 @@ def _specjax_row(b: int, runs: list, compile_s: float, model: Model, wbytes: int
   }
 
 
-def run_ar_benchmark(c, model: Optional[Model] = None, prompt_ids: Optional[Sequence[int]] = None,
-                     hf_model=None, log: Optional[Callable[[str], None]] = None) -> dict:
-  """Run the benchmark described by config `c` (see configs/ar_benchmark.py).
+def run_ar_benchmark(c: ARBenchmarkSettings, model: Optional[Model] = None,
+                     prompt_ids: Optional[Sequence[int]] = None, hf_model=None,
+                     log: Optional[Callable[[str], None]] = None) -> dict:
+  """Run the benchmark of settings `c` (`ARBenchmarkSettings.of(config)` reads
+  configs/ar_benchmark.py's ConfigDict).
 
   Args:
-    c: ConfigDict with model, dtype, prompt, system, max_new_tokens, batch_sizes,
-      repeats, peers, bandwidth_gib.
+    c: the run's ARBenchmarkSettings.
     model: an already loaded model (default: load `c.model` with `c.dtype`).
     prompt_ids: token ids (default: the chat-templated `c.prompt`).
     hf_model: the transformers model of the same weights, when `c.peers`
@@ -101,6 +121,7 @@ def run_ar_benchmark(c, model: Optional[Model] = None, prompt_ids: Optional[Sequ
   Returns:
     A JSON-serializable dict of figures; `format_table` renders it.
   """
+  require(c, ARBenchmarkSettings, "ar.run_ar_benchmark")
   log = log or (lambda line: None)
   t_start = time.perf_counter()
   repeats, new = int(c.repeats), int(c.max_new_tokens)

@@ -19,6 +19,7 @@ compiles and is not timed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -28,9 +29,27 @@ from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import continuous
 from specjax.io.load import load_model
+from specjax.settings import RunSettings, require
 from specjax.training import distill_data
 
 WAYS = ("static", "continuous")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatagenSettings(RunSettings):
+  """An answer-throughput run (`experiments/datagen.py`, configs/datagen.py)."""
+
+  model: str = "smollm2-135m"
+  sources: str = "alpaca,code_alpaca,gpteacher_code,gsm8k_train,xsum"  # training prompt sources
+  num_prompts: int = 64
+  max_prompt_tokens: int = 512
+  max_new_tokens: int = 256
+  batch_size: int = 16
+  dtypes: str = "float32,bfloat16"
+  ways: str = "static,continuous"  # of WAYS
+  repeats: int = 2
+  seed: int = 0
+  out: str = ""  # a folder for results.json / results.md (optional)
 
 
 def _static(model, prompts: Sequence[List[int]], batch_size: int, max_new_tokens: int):
@@ -57,8 +76,10 @@ def _continuous(model, prompts: Sequence[List[int]], batch_size: int, max_new_to
   return tokens
 
 
-def run(c, progress: Optional[Callable[[str], None]] = None) -> Dict:
-  """c: configs/datagen.py. -> {"rows": [...], "markdown": str}"""
+def run(c: DatagenSettings, progress: Optional[Callable[[str], None]] = None) -> Dict:
+  """The ways of settings `c` (`DatagenSettings.of(config)` reads
+  configs/datagen.py's ConfigDict) -> {"rows": [...], "markdown": str}"""
+  require(c, DatagenSettings, "datagen.run")
   progress = progress or print
   sources = [s for s in c.sources.split(",") if s]
   dtypes = [d for d in c.dtypes.split(",") if d]

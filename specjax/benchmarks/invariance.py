@@ -21,6 +21,7 @@ goes on from there: the full run is hours on a 2-core CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -35,11 +36,40 @@ from specjax.benchmarks import report
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
+from specjax.drafters.settings import DrafterSettings
 from specjax.errors import ConfigValueError
 from specjax.io import jsonl
 from specjax.io.load import load_model
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
+from specjax.settings import RunSettings, require
+
+
+@dataclasses.dataclass(frozen=True)
+class InvarianceSettings(RunSettings):
+  """A batch-invariance run (`experiments/invariance.py`, configs/invariance.py)."""
+
+  model: str = "smollm2-135m"
+  dtypes: str = "float32,bfloat16"
+  # or "report": the identity table from `out`/identity.jsonl, nothing run
+  parts: str = "cost,identity"
+  # cost
+  prompt: str = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+  max_new_tokens: int = 64
+  repeats: int = 4
+  verify_calls: int = 20
+  verify_batches: str = "1,4"  # t_verify(k + 1) at these batch sizes
+  # identity: every drafter, chains and trees, on the headline prompt set
+  prompts: str = questions_lib.SPEC_BENCH  # the Spec-Bench questions (without MT-Bench)
+  prompt_limit: int = 10  # the first N questions of each category
+  batch_size: int = 10
+  modes: str = "on,off"  # batch_invariant on (the claim), off (what the default forward does)
+  methods: str = ("prompt_lookup,layer_skip,draft_model,medusa,blockwise,eagle,eagle3,lookahead,"
+                  "replay,medusa_tree,eagle_tree,eagle3_tree,lookahead_tree")
+  out: str = ""  # the identity log, results.json and results.md go here ('': none)
+  # the drafters' settings (k: their draft length, and the cost part's verify block
+  # of k + 1 tokens)
+  drafter: DrafterSettings = DrafterSettings()
 
 
 def _verify_timer(model, k: int, prompt_len: int, calls: int,
@@ -65,13 +95,16 @@ def _verify_timer(model, k: int, prompt_len: int, calls: int,
   return once
 
 
-def cost(c, progress: Callable[[str], None]) -> List[dict]:
+def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
+  """AR tok/s and t_verify(k + 1) in both modes, per precision (the module
+  docstring)."""
+  require(c, InvarianceSettings, "invariance.cost")
   rows = []
   for dtype in [d for d in c.dtypes.split(",") if d]:
     models = {inv: load_model(c.model, dtype, batch_invariant=inv) for inv in (False, True)}
     prompt = models[False].tokenizer.encode_prompt(c.prompt)
     batches = _batches(c)
-    timers = {(inv, b): _verify_timer(m, c.k, len(prompt), c.verify_calls, b)
+    timers = {(inv, b): _verify_timer(m, c.drafter.k, len(prompt), c.verify_calls, b)
               for inv, m in models.items() for b in batches}
     for m in models.values():  # compile (every run decodes max_new_tokens: no EOS)
       ar.generate(m.params, m.cfg.replace(eos_id=-1), [prompt], max_new_tokens=c.max_new_tokens)
@@ -101,13 +134,28 @@ def _unit_key(dtype: str, inv: bool, method: str, ids) -> tuple:
   return (dtype, bool(inv), method, tuple(ids))
 
 
-def identity(c, progress: Callable[[str], None], run: bool = True) -> List[dict]:
+def _log_settings(c: InvarianceSettings) -> dict:
+  """The settings each identity record carries, that a resumed log must match:
+  model, max_new_tokens, k, batch_size, plus any other drafter field set away
+  from its default (the default run's records hold only the four)."""
+  flat = c.flat()
+  out = {"model": flat["model"], "max_new_tokens": int(flat["max_new_tokens"]),
+         "k": int(flat["k"]), "batch_size": int(flat["batch_size"])}
+  default = dataclasses.asdict(DrafterSettings())
+  out.update({name: value for name, value in dataclasses.asdict(c.drafter).items()
+              if name != "k" and value != default[name]})
+  return out
+
+
+def identity(c: InvarianceSettings, progress: Callable[[str], None],
+             run: bool = True) -> List[dict]:
   """Greedy speculative vs greedy AR, token for token, per precision, mode and
   method. With `c.out`, every (precision, mode, method, batch of questions)
   result is appended to `c.out`/identity.jsonl as it finishes and a restarted
   run skips what the log holds (a run that settings change must use another
   `out`). `run=False` runs nothing: the rows count what the log holds so far
   (a partial run's table)."""
+  require(c, InvarianceSettings, "invariance.identity")
   questions = questions_lib.load_questions(c.prompts, c.prompt_limit)
   by_cat: Dict[str, list] = {}
   for q in sorted(questions, key=lambda q: q.question_id):
@@ -115,8 +163,7 @@ def identity(c, progress: Callable[[str], None], run: bool = True) -> List[dict]
   units = [qs[i:i + c.batch_size] for _, qs in sorted(by_cat.items())
            for i in range(0, len(qs), c.batch_size)]
   methods = [m for m in c.methods.split(",") if m]
-  settings = {"model": c.model, "max_new_tokens": int(c.max_new_tokens), "k": int(c.k),
-              "batch_size": int(c.batch_size)}
+  settings = _log_settings(c)
   log = os.path.join(c.out, "identity.jsonl") if c.out else None
   if log:
     os.makedirs(c.out, exist_ok=True)
@@ -144,7 +191,7 @@ def identity(c, progress: Callable[[str], None], run: bool = True) -> List[dict]
                           max_new_tokens=c.max_new_tokens).tokens
         for m in todo:
           drafter, dparams = registry.make_drafter(
-              m, {"k": c.k}, model, sampling=sampling_lib.GREEDY, reference=ref,
+              m, c.drafter, model, sampling=sampling_lib.GREEDY, reference=ref,
               reference_width=c.max_new_tokens)
           got = sp.generate(model.params, model.cfg, drafter, prompts, draft_params=dparams,
                             max_new_tokens=c.max_new_tokens).tokens
@@ -173,24 +220,25 @@ def identity(c, progress: Callable[[str], None], run: bool = True) -> List[dict]
   return rows
 
 
-def _modes(c) -> List[bool]:
+def _modes(c: InvarianceSettings) -> List[bool]:
   """The identity part's modes: 'on' (batch_invariant), 'off' (the default forward)."""
-  names = [m for m in str(getattr(c, "modes", "on,off")).split(",") if m]
+  names = [m for m in c.modes.split(",") if m]
   unknown = set(names) - {"on", "off"}
   if unknown or not names:
     raise ValueError(f"modes must be a comma-separated subset of 'on,off', got {c.modes!r}")
   return [m == "on" for m in names]
 
 
-def _batches(c) -> List[int]:
+def _batches(c: InvarianceSettings) -> List[int]:
   return [int(b) for b in str(c.verify_batches).split(",") if b]
 
 
-def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]], c) -> str:
+def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]],
+             c: InvarianceSettings) -> str:
   out = []
   if cost_rows:
     out += ["Cost of batch invariance (SmolLM2-135M, B = 1, greedy; the two modes "
-            f"interleaved, {c.repeats} repeats, medians; k = {c.k}).", "",
+            f"interleaved, {c.repeats} repeats, medians; k = {c.drafter.k}).", "",
             "| dtype | batch_invariant | AR tok/s (B = 1) | vs default | "
             + " | ".join(f"t_verify(k+1) B = {b} ms | vs default" for b in _batches(c)) + " |",
             "|---|---|---|---|" + "---|---|" * len(_batches(c))]
@@ -202,7 +250,7 @@ def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]
   if identity_rows:
     out += ["", f"Greedy speculative output vs greedy AR, token for token ({c.max_new_tokens} "
             f"new tokens, the first {c.prompt_limit} Spec-Bench questions per category, "
-            f"batch {c.batch_size}, k = {c.k}):", "",
+            f"batch {c.batch_size}, k = {c.drafter.k}):", "",
             "| dtype | batch_invariant | method | identical rows | first divergences "
             "(question, position) |", "|---|---|---|---|---|"]
     for r in identity_rows:
@@ -213,7 +261,10 @@ def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]
   return "\n".join(out) + "\n"
 
 
-def run(c, progress: Optional[Callable[[str], None]] = None) -> Dict:
+def run(c: InvarianceSettings, progress: Optional[Callable[[str], None]] = None) -> Dict:
+  """The parts of settings `c` (`InvarianceSettings.of(config)` reads
+  configs/invariance.py's ConfigDict) -> {"cost", "identity", "markdown"}."""
+  require(c, InvarianceSettings, "invariance.run")
   progress = progress or (lambda s: print(s, flush=True))
   parts = [p for p in c.parts.split(",") if p]
   unknown = set(parts) - {"cost", "identity", "report"}

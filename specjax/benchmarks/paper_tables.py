@@ -15,11 +15,15 @@ process) summarised into markdown + JSON + PNG under `out/<table>/`.
   expected   the expected-tokens curve (1 - alpha^(k+1)) / (1 - alpha)
              against measured tokens per round, for every k' <= k read off
              the acceptance histogram of a k-run
+
+Each table takes a `PaperTablesSettings` (every Spec-Bench setting, with the
+tables' own defaults, plus the tables' fields); the runs behind it are
+`specbench.BenchmarkSettings` of the same values.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import os
 from typing import Callable, Dict, List, Optional
@@ -31,21 +35,36 @@ from specjax.analysis import theory
 from specjax.benchmarks import report
 from specjax.benchmarks import specbench
 from specjax.drafters import registry
+from specjax.settings import require
 
 TABLES = ("leviathan", "specbench", "gamma", "batch", "expected")
 
 
-def _sub(c, out: str, **fields):
-  """A copy of the run config with `fields` changed and its own out dir."""
-  sub = copy.deepcopy(c)
-  with sub.unlocked():
-    for k, v in fields.items():
-      setattr(sub, k, v)
-    sub.out = out
-  return sub
+@dataclasses.dataclass(frozen=True)
+class PaperTablesSettings(specbench.BenchmarkSettings):
+  """The papers' tables (`experiments/paper_tables.py`, configs/paper_tables.py):
+  the Spec-Bench runs' settings (`specbench.BenchmarkSettings`, the fields
+  not redefined here keep its defaults) and the tables' own."""
+
+  methods: str = "draft_model,eagle3,prompt_lookup"  # comma-separated drafters; AR always runs
+  prompt_limit: Optional[int] = 1  # questions per category; None / 0: all
+  max_new_tokens: int = 96
+  repeats: int = 2  # timed runs per method and question, interleaved with AR
+  out: str = "/tmp/specjax_tables"  # each table under out/<table>/, its runs below it
+  tables: str = "all"  # leviathan, specbench, gamma, batch, expected (comma-separated) or all
+  ks: str = "1,2,3,4,6,8"  # gamma: the draft lengths swept
+  batch_sizes: str = "1,2,4,8,16,32"  # batch: B consecutive prompts of a category per unit
 
 
-def _methods(c) -> List[str]:
+def _sub(c: PaperTablesSettings, out: str, **fields) -> specbench.BenchmarkSettings:
+  """The Spec-Bench run of settings `c` with `fields` changed and its own out dir
+  (its settings, and so its log's settings id, those of the same values given to
+  experiments/benchmark.py)."""
+  values = {f.name: getattr(c, f.name) for f in dataclasses.fields(specbench.BenchmarkSettings)}
+  return specbench.BenchmarkSettings(**{**values, **fields, "out": out})
+
+
+def _methods(c: PaperTablesSettings) -> List[str]:
   return [m.strip() for m in str(c.methods).split(",") if m.strip()]
 
 
@@ -76,20 +95,24 @@ def _write(out: str, name: str, rows: List[dict], md_lines: List[str],
   return {"rows": rows, "markdown": md}
 
 
-def leviathan(c, model=None, progress=None) -> dict:
+def leviathan(c: PaperTablesSettings, model=None, progress=None) -> dict:
+  require(c, PaperTablesSettings, "paper_tables.leviathan")
   out = os.path.join(c.out, "leviathan")
   runs = {}
   for label, temp in (("greedy", 0.0), ("T=1", 1.0)):
-    sub = _sub(c, os.path.join(out, label.replace("=", "")), temperature=temp)
+    sub = _sub(c, os.path.join(out, label.replace("=", "")),
+               sampling=dataclasses.replace(c.sampling, temperature=temp))
     runs[label] = _overall(specbench.run_benchmark(sub, model=model, progress=progress)["results"])
   rows = [{"method": m, **{f"alpha_{lab}": runs[lab][m]["alpha"] for lab in runs},
            **{f"tau_{lab}": runs[lab][m]["tau"] for lab in runs},
-           **{f"speedup_{lab}": runs[lab][m]["speedup"] for lab in runs}, "k": runs["greedy"][m]["k"]}
+           **{f"speedup_{lab}": runs[lab][m]["speedup"] for lab in runs},
+           "k": runs["greedy"][m]["k"]}
           for m in _methods(c)]
   md = ["| method | k | alpha (greedy) | alpha (T = 1) | tau (greedy) | tau (T = 1) | "
         "speedup (greedy) | speedup (T = 1) |", "|---|---|---|---|---|---|---|---|"]
-  md += [f"| {r['method']} | {r['k']} | {report.fmt(r['alpha_greedy'])} | {report.fmt(r['alpha_T=1'])} | "
-         f"{report.fmt(r['tau_greedy'])} | {report.fmt(r['tau_T=1'])} | {report.fmt(r['speedup_greedy'])}x | "
+  md += [f"| {r['method']} | {r['k']} | {report.fmt(r['alpha_greedy'])} | "
+         f"{report.fmt(r['alpha_T=1'])} | {report.fmt(r['tau_greedy'])} | "
+         f"{report.fmt(r['tau_T=1'])} | {report.fmt(r['speedup_greedy'])}x | "
          f"{report.fmt(r['speedup_T=1'])}x |" for r in rows]
 
   def plot(ax):
@@ -102,11 +125,13 @@ def leviathan(c, model=None, progress=None) -> dict:
   return _write(out, "leviathan", rows, md, plot)
 
 
-def specbench_table(c, model=None, progress=None) -> dict:
+def specbench_table(c: PaperTablesSettings, model=None, progress=None) -> dict:
   """Medusa / EAGLE / Spec-Bench form: per-category speedup and tau of every
   method side by side (the greedy run of the leviathan table: one run serves both)."""
+  require(c, PaperTablesSettings, "paper_tables.specbench_table")
   out = os.path.join(c.out, "specbench")
-  sub = _sub(c, os.path.join(c.out, "leviathan", "greedy"), temperature=0.0)
+  sub = _sub(c, os.path.join(c.out, "leviathan", "greedy"),
+             sampling=dataclasses.replace(c.sampling, temperature=0.0))
   results = specbench.run_benchmark(sub, model=model, progress=progress)["results"]
   cats = []
   for r in results:
@@ -120,14 +145,14 @@ def specbench_table(c, model=None, progress=None) -> dict:
            "ar_tokens_per_s": by[m, cat]["ar_tokens_per_s"],
            "greedy_identical": by[m, cat]["greedy_identical"]}
           for m in _methods(c) for cat in cats if (m, cat) in by]
-  md = [f"Speedup over AR (tau) per Spec-Bench category; temperature {sub.temperature}, "
+  md = [f"Speedup over AR (tau) per Spec-Bench category; temperature {sub.sampling.temperature}, "
         f"B = {sub.batch_size}, {sub.max_new_tokens} new tokens, {sub.dtype}.", "",
         "| method | " + " | ".join("overall" if x == specbench.ALL else x for x in cats) + " |",
         "|---|" + "---|" * len(cats)]
   for m in _methods(c):
     md.append(f"| {m} | " + " | ".join(
-        f"{report.fmt(by[m, x]['speedup'])}x ({report.fmt(by[m, x]['tau'])})" if (m, x) in by else "-"
-        for x in cats) + " |")
+        f"{report.fmt(by[m, x]['speedup'])}x ({report.fmt(by[m, x]['tau'])})"
+        if (m, x) in by else "-" for x in cats) + " |")
   md.append("| AR tok/s | " + " | ".join(
       report.fmt(next((r["ar_tokens_per_s"] for r in rows if r["category"] == x), None), "{:.1f}")
       for x in cats) + " |")
@@ -146,7 +171,8 @@ def specbench_table(c, model=None, progress=None) -> dict:
   return _write(out, "specbench", rows, md, plot)
 
 
-def gamma(c, model=None, progress=None) -> dict:
+def gamma(c: PaperTablesSettings, model=None, progress=None) -> dict:
+  require(c, PaperTablesSettings, "paper_tables.gamma")
   out = os.path.join(c.out, "gamma")
   ks = [int(k) for k in str(c.ks).split(",")]
   rows = []
@@ -161,14 +187,16 @@ def gamma(c, model=None, progress=None) -> dict:
                    "predicted_speedup": r.get("predicted_speedup")})
   md = ["| method | k | alpha | tau | measured | calibrated prediction | Thm 3.8 |",
         "|---|---|---|---|---|---|---|"]
-  md += [f"| {r['method']} | {r['k']} | {report.fmt(r['alpha'])} | {report.fmt(r['tau'])} | {report.fmt(r['speedup'])}x | "
-         f"{report.fmt(r['predicted_speedup'])}x | {report.fmt(r['theorem_3_8'])}x |" for r in rows]
+  md += [f"| {r['method']} | {r['k']} | {report.fmt(r['alpha'])} | {report.fmt(r['tau'])} | "
+         f"{report.fmt(r['speedup'])}x | {report.fmt(r['predicted_speedup'])}x | "
+         f"{report.fmt(r['theorem_3_8'])}x |" for r in rows]
   md.append("")
   for m in _methods(c):
     mine = [r for r in rows if r["method"] == m]
-    best = lambda key: max(mine, key=lambda r: r[key] or 0)["k"]  # pylint: disable=cell-var-from-loop,unnecessary-lambda-assignment
-    md.append(f"- {m}: optimal k measured {best('speedup')}, calibrated {best('predicted_speedup')}, "
-              f"Thm 3.8 {best('theorem_3_8')}")
+    best = {key: max(mine, key=lambda r, key=key: r[key] or 0)["k"]
+            for key in ("speedup", "predicted_speedup", "theorem_3_8")}
+    md.append(f"- {m}: optimal k measured {best['speedup']}, calibrated "
+              f"{best['predicted_speedup']}, Thm 3.8 {best['theorem_3_8']}")
 
   def plot(ax):
     for m in _methods(c):
@@ -185,7 +213,8 @@ def gamma(c, model=None, progress=None) -> dict:
   return _write(out, "gamma", rows, md, plot)
 
 
-def batch(c, model=None, progress=None) -> dict:
+def batch(c: PaperTablesSettings, model=None, progress=None) -> dict:
+  require(c, PaperTablesSettings, "paper_tables.batch")
   out = os.path.join(c.out, "batch")
   sizes = [int(b) for b in str(c.batch_sizes).split(",")]
   rows = []
@@ -216,7 +245,8 @@ def batch(c, model=None, progress=None) -> dict:
   return _write(out, "batch", rows, md, plot)
 
 
-def expected(c, model=None, progress=None) -> dict:
+def expected(c: PaperTablesSettings, model=None, progress=None) -> dict:
+  require(c, PaperTablesSettings, "paper_tables.expected")
   out = os.path.join(c.out, "expected")
   sub = _sub(c, os.path.join(out, "run"))
   specbench.run_benchmark(sub, model=model, progress=progress)
@@ -237,8 +267,8 @@ def expected(c, model=None, progress=None) -> dict:
                    "formula_tokens": float(theory.expected_tokens(alpha, kk))})
   md = ["| method | k | alpha | measured tokens / round | (1 - alpha^(k+1)) / (1 - alpha) |",
         "|---|---|---|---|---|"]
-  md += [f"| {r['method']} | {r['k']} | {report.fmt(r['alpha'])} | {report.fmt(r['measured_tokens'])} | "
-         f"{report.fmt(r['formula_tokens'])} |" for r in rows]
+  md += [f"| {r['method']} | {r['k']} | {report.fmt(r['alpha'])} | "
+         f"{report.fmt(r['measured_tokens'])} | {report.fmt(r['formula_tokens'])} |" for r in rows]
 
   def plot(ax):
     for m in dict.fromkeys(r["method"] for r in rows):
@@ -252,8 +282,10 @@ def expected(c, model=None, progress=None) -> dict:
   return _write(out, "expected", rows, md, plot)
 
 
-def run(c, model=None, progress=None) -> Dict[str, dict]:
-  """Run the tables named in `c.tables` (comma-separated, or 'all')."""
+def run(c: PaperTablesSettings, model=None, progress=None) -> Dict[str, dict]:
+  """Run the tables named in `c.tables` (comma-separated, or 'all') with
+  settings `c` (`PaperTablesSettings.of` reads configs/paper_tables.py's ConfigDict)."""
+  require(c, PaperTablesSettings, "paper_tables.run")
   names = TABLES if str(c.tables) == "all" else [t.strip() for t in str(c.tables).split(",")]
   for name in names:
     if name not in TABLES:

@@ -28,7 +28,7 @@ engine it reuses):
 * Decode only: tokens after the first new ones over the time after them;
   prefill reported apart.
 
-Table, per system and mode over all questions:
+Table (`peers_report`), per system and mode over all questions:
 
   tokens_per_s   total decode tokens / total median decode time
   vs own AR      tokens_per_s / the same system's AR tokens_per_s (like for like)
@@ -56,19 +56,50 @@ import jax
 
 from specjax import sampling as sampling_lib
 from specjax.benchmarks import ar as ar_bench
+from specjax.benchmarks import peers_report
 from specjax.benchmarks import questions as questions_lib
 from specjax.benchmarks import report
 from specjax.benchmarks import specbench
 from specjax.drafters import registry
+from specjax.drafters.settings import DrafterSettings
 from specjax.io.load import Model, load_model
 from specjax.peers import hf, llamacpp
+from specjax.settings import RunSettings, require
 
-SPECJAX, HF, LLAMACPP = "specjax", "HF transformers", "llama.cpp"
+SPECJAX, HF, LLAMACPP = peers_report.SPECJAX, peers_report.HF, peers_report.LLAMACPP
 LOG = "log.jsonl"
 # Settings that change a record's numbers; a resumed log must match them.
 SETTINGS = ("model", "dtype", "hf_dtype", "max_new_tokens", "k", "lookup_k", "max_ngram",
             "draft_model", "hf_draft", "best", "repeats", "threads", "hf", "llamacpp",
             "llamacpp_ctx")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersSettings(RunSettings):
+  """A side-by-side run (`experiments/peers.py`, configs/peers.py); all greedy."""
+
+  model: str = "smollm2-135m"  # a model name, GGUF file or HF directory
+  tokenizer_from: str = ""  # for an HF directory: the model name / GGUF holding the tokenizer
+  dtype: str = "bfloat16"  # specjax's precision (its faster setting here)
+  hf_dtype: str = "float32"  # the HF peer's (the GGUF dequantized by transformers)
+  prompts: str = questions_lib.SPEC_BENCH  # any JSONL file in Spec-Bench's format
+  prompt_limit: int = 2  # questions per category (0: all)
+  max_new_tokens: int = 128
+  repeats: int = 3  # timed runs per system and question, interleaved; the median counts
+  threads: int = 0  # torch / llama.cpp threads (0: all CPU cores)
+  hf: bool = hf.available()  # the HF transformers peer (the `peers` extra)
+  llamacpp: bool = True  # the llama.cpp peer, when llama-cpp-python is installed
+  llamacpp_ctx: int = 4096  # llama.cpp context (prompt + new tokens + guesses)
+  # Like for like: specjax's draft_model and HF's assistant draft drafter.k tokens
+  # with the same model (drafter.draft_model); both prompt lookups propose lookup_k
+  # tokens after an n-gram of drafter.max_ngram down to 1 tokens.
+  lookup_k: int = 4
+  hf_draft: str = ""  # the assistant's HF directory ('': exported from draft_model)
+  # specjax's best method, its own row (any registry name); when it names a like-for-like
+  # row (e.g. 'prompt_lookup@k=4@max_ngram=3@min_ngram=1') that row is marked '(best)'
+  best: str = "eagle3@k=2"
+  out: str = "/tmp/specjax_peers"
+  drafter: DrafterSettings = DrafterSettings()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,22 +128,23 @@ class Run:
   rounds: Optional[int] = None  # target forwards after prefill, when known
 
 
-def like_for_like_methods(c) -> Dict[str, str]:
+def like_for_like_methods(c: PeersSettings) -> Dict[str, str]:
   """specjax's method names matching the peers' settings."""
+  d = c.drafter
   return {
-      "draft model": f"draft_model@k={int(c.k)}@draft_vocab=full",
-      "prompt lookup": f"prompt_lookup@k={int(c.lookup_k)}@max_ngram={int(c.max_ngram)}"
+      "draft model": f"draft_model@k={int(d.k)}@draft_vocab=full",
+      "prompt lookup": f"prompt_lookup@k={int(c.lookup_k)}@max_ngram={int(d.max_ngram)}"
                        "@min_ngram=1",
   }
 
 
-def hf_draft_dir(c, model: Model, progress: Callable[[str], None]) -> str:
+def hf_draft_dir(c: PeersSettings, model: Model, progress: Callable[[str], None]) -> str:
   """The HF directory of the draft model the specjax draft_model method uses:
   `hf_draft` when given, the `draft_model` spec when it is an HF directory, else
   the distilled checkpoint exported (float32) to `out`/hf_draft."""
   if c.hf_draft:
     return str(c.hf_draft)
-  spec = c.draft_model or registry.default_draft_model(model)
+  spec = c.drafter.draft_model or registry.default_draft_model(model)
   if spec != "distilled" and os.path.isfile(os.path.join(spec, "config.json")):
     return spec
   checkpoint = registry.shipped_checkpoint("draft_model") if spec == "distilled" else spec
@@ -133,7 +165,7 @@ def hf_draft_dir(c, model: Model, progress: Callable[[str], None]) -> str:
 class _Peers:
   """The systems and how to run each: prompt ids -> Run."""
 
-  def __init__(self, c, model: Model, progress: Callable[[str], None]):
+  def __init__(self, c: PeersSettings, model: Model, progress: Callable[[str], None]):
     self.c, self.model = c, model
     self.new = int(c.max_new_tokens)
     self.engine = specbench.Engine(model, sampling_lib.GREEDY, self.new, 0)
@@ -145,18 +177,20 @@ class _Peers:
     self.drafters: Dict[str, tuple] = {}
     self.closers: List[Callable[[], None]] = []  # peers' child processes
     like = like_for_like_methods(c)
+    k, max_ngram = int(c.drafter.k), int(c.drafter.max_ngram)
 
     self._add(System(SPECJAX, "AR"), lambda p, rid: self._specjax(None, p, rid))
-    specjax_methods = {"draft model": System(SPECJAX, "draft model", int(c.k), None,
+    specjax_methods = {"draft model": System(SPECJAX, "draft model", k, None,
                                              like["draft model"]),
                        "prompt lookup": System(SPECJAX, "prompt lookup", int(c.lookup_k),
-                                               int(c.max_ngram), like["prompt lookup"])}
+                                               max_ngram, like["prompt lookup"])}
     best = str(c.best or "").strip()
     if best in like.values():  # one of the like-for-like rows: run once, say so
       mode = next(m for m, name in like.items() if name == best)
       specjax_methods[mode] = dataclasses.replace(specjax_methods[mode], mode=f"{mode} (best)")
     elif best:  # built now: a bad name fails before any timing
-      self.drafters[best] = registry.make_drafter(best, c, model, sampling=sampling_lib.GREEDY)
+      self.drafters[best] = registry.make_drafter(best, c.drafter, model,
+                                                  sampling=sampling_lib.GREEDY)
       drafter = self.drafters[best][0]
       specjax_methods["best"] = System(SPECJAX, f"best: {best}", drafter.k,
                                        getattr(drafter, "max_ngram", None), best)
@@ -167,16 +201,16 @@ class _Peers:
       self.hf_model = hf.load_hf_model(model.source, str(c.hf_dtype))
       draft_dir = hf_draft_dir(c, model, progress)
       self.assistant = hf.load_hf_model(draft_dir, str(c.hf_dtype))
-      hf.configure_assistant(self.assistant, int(c.k))
+      hf.configure_assistant(self.assistant, k)
       hf.set_threads(self.threads)  # so the settings record what the runs use
-      hf_ar, hf_assist = System(HF, "AR"), System(HF, "assisted", int(c.k))
-      hf_lookup = System(HF, "prompt lookup", int(c.lookup_k), int(c.max_ngram))
+      hf_ar, hf_assist = System(HF, "AR"), System(HF, "assisted", k)
+      hf_lookup = System(HF, "prompt lookup", int(c.lookup_k), max_ngram)
       self.settings[hf_ar.key] = hf.settings(self.hf_model)
       self.settings[hf_assist.key] = dict(hf.settings(self.hf_model, mode="assisted",
-                                                      assistant=self.assistant, k=int(c.k)),
+                                                      assistant=self.assistant, k=k),
                                           assistant_dir=draft_dir)
       self.settings[hf_lookup.key] = hf.settings(self.hf_model, mode="prompt_lookup",
-                                                 k=int(c.lookup_k), max_ngram=int(c.max_ngram))
+                                                 k=int(c.lookup_k), max_ngram=max_ngram)
     else:
       self.skipped[HF] = "disabled (hf=False)"
 
@@ -192,7 +226,8 @@ class _Peers:
     if "best" in specjax_methods:
       self._add_specjax(specjax_methods["best"])
     self.settings[SPECJAX] = specjax_settings(model, {
-        s.mode: f"{s.method} ({registry.drafter_id(s.method, c, model) or 'training-free'})"
+        s.mode: f"{s.method} "
+                f"({registry.drafter_id(s.method, c.drafter, model) or 'training-free'})"
         for s in self.systems if s.impl == SPECJAX and s.method})
 
   # --- construction ---
@@ -204,7 +239,7 @@ class _Peers:
   def _add_specjax(self, system: System) -> None:
     def run(prompt, rid, m=system.method):
       if m not in self.drafters:
-        self.drafters[m] = registry.make_drafter(m, self.c, self.model,
+        self.drafters[m] = registry.make_drafter(m, self.c.drafter, self.model,
                                                  sampling=sampling_lib.GREEDY)
       return self._specjax(self.drafters[m], prompt, rid)
     self._add(system, run)
@@ -228,7 +263,7 @@ class _Peers:
     self.settings[system.key] = llamacpp.settings(ar_llm)
     self._add(system, lambda p, rid: self._llamacpp(ar_llm, p))
     if llamacpp.has_prompt_lookup():
-      k, n = int(c.lookup_k), int(c.max_ngram)
+      k, n = int(c.lookup_k), int(c.drafter.max_ngram)
       pl_llm = llamacpp.LlamaCppProcess(self.model.source, prompt_lookup=(k, n), **kw)
       self.closers.append(pl_llm.close)
       system = System(LLAMACPP, "prompt lookup", k, n)
@@ -257,12 +292,14 @@ class _Peers:
   def _hf_assisted(self, prompt, rid, new=None):
     del rid
     return self._hf(hf.hf_assisted_generate(self.hf_model, self.assistant, prompt,
-                                            new or self.new, int(self.c.k), self.threads))
+                                            new or self.new, int(self.c.drafter.k),
+                                            self.threads))
 
   def _hf_lookup(self, prompt, rid, new=None):
     del rid
     return self._hf(hf.hf_prompt_lookup_generate(self.hf_model, prompt, new or self.new,
-                                                 int(self.c.lookup_k), int(self.c.max_ngram),
+                                                 int(self.c.lookup_k),
+                                                 int(self.c.drafter.max_ngram),
                                                  self.threads))
 
   def _llamacpp(self, llm, prompt) -> Run:
@@ -292,8 +329,8 @@ def specjax_settings(model: Model, methods: Dict[str, str]) -> dict:
 # --- the run --------------------------------------------------------------------------
 
 
-def _settings(c) -> dict:
-  return report.config_settings(c, SETTINGS)
+def _settings(c: PeersSettings) -> dict:
+  return report.config_settings(c.flat(), SETTINGS)
 
 
 def _new_record(q, system: System, repeats: int, settings_id: str) -> dict:
@@ -374,67 +411,14 @@ def summarize(records: List[dict], systems: List[System]) -> List[dict]:
   return rows
 
 
-def best_against_best(rows: List[dict]) -> List[dict]:
-  """specjax's fastest row against each peer's fastest row."""
-  fastest = {}
-  for r in rows:
-    if r["tokens_per_s"] is not None and (r["impl"] not in fastest or
-                                          r["tokens_per_s"] > fastest[r["impl"]]["tokens_per_s"]):
-      fastest[r["impl"]] = r
-  mine = fastest.get(SPECJAX)
-  if mine is None:
-    return []
-  return [{"peer": impl, "peer_mode": r["mode"], "peer_tokens_per_s": r["tokens_per_s"],
-           "specjax_mode": mine["mode"], "specjax_tokens_per_s": mine["tokens_per_s"],
-           "ratio": _ratio(mine["tokens_per_s"], r["tokens_per_s"])}
-          for impl, r in fastest.items() if impl != SPECJAX]
-
-
-def format_markdown(out: dict) -> str:
-  rows, c = out["results"], out["config"]
-  lines = [
-      f"Peers side by side: {out['num_prompts']} prompts ({c['prompts']}, prompt_limit "
-      f"{c['prompt_limit']} per category), greedy, batch 1, max_new_tokens "
-      f"{c['max_new_tokens']}, {c['repeats']} repeats (median), interleaved in one process; "
-      f"specjax {out['settings'][SPECJAX]['precision']}; commit {out['commit']}",
-      f"hardware: {out['hardware']}",
-      "",
-      "| system | mode | k | n-gram | decode tok/s | vs own AR | vs HF AR | tokens/round | "
-      "prefill s | greedy identical to own AR |",
-      "|---|---|---|---|---|---|---|---|---|---|",
-  ]
-  for r in rows:
-    lines.append(
-        f"| {r['impl']} | {r['mode']} | {report.fmt(r['k'], '{}')} | {report.fmt(r['ngram'], '{}')} | "
-        f"{report.fmt(r['tokens_per_s'], '{:.1f}')} | {report.fmt(r['speedup_vs_own_ar'], suffix='x')} | "
-        f"{report.fmt(r['speedup_vs_hf_ar'], suffix='x')} | {report.fmt(r['tokens_per_round'])} | "
-        f"{report.fmt(r['prefill_s'], '{:.2f}')} | "
-        f"{'-' if r['greedy_identical'] is None else r['greedy_identical']} |")
-  for impl, why in out["skipped"].items():
-    lines.append(f"| {impl} | skipped: {why} | - | - | - | - | - | - | - | - |")
-  lines += ["", "Settings:"]
-  for key, s in out["settings"].items():
-    lines.append(f"- {key}: " + ", ".join(f"{k}={v}" for k, v in s.items()))
-  lines += ["", "Best against best (the fastest row of each system, same prompts):"]
-  bab = out["best_against_best"]
-  if not bab:
-    lines.append("- no peer ran.")
-  for b in bab:
-    lines.append(f"- specjax {b['specjax_mode']} {report.fmt(b['specjax_tokens_per_s'], '{:.1f}')} "
-                 f"tok/s vs {b['peer']} {b['peer_mode']} "
-                 f"{report.fmt(b['peer_tokens_per_s'], '{:.1f}')} tok/s: "
-                 f"{report.fmt(b['ratio'], suffix='x')}")
-  lines += ["", f"runtime {out['runtime_s']:.0f} s, specjax compiles {out['compile_s']:.0f} s "
-            "(excluded from every figure)."]
-  return "\n".join(lines) + "\n"
-
-
-def run_peers(c, model: Optional[Model] = None,
+def run_peers(c: PeersSettings, model: Optional[Model] = None,
               progress: Optional[Callable[[str], None]] = None) -> dict:
-  """Run (or resume) the side-by-side benchmark of config `c` (configs/peers.py).
+  """Run (or resume) the side-by-side benchmark of settings `c` (`PeersSettings.of`
+  reads configs/peers.py's ConfigDict).
 
   Writes `c.out`/log.jsonl, results.json, results.md. Returns the results
   dict (its "markdown" entry holds the table)."""
+  require(c, PeersSettings, "peers.run_peers")
   t_start = time.perf_counter()
   commit = report.git_commit()
   progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
@@ -486,12 +470,13 @@ def run_peers(c, model: Optional[Model] = None,
              for k, r in by_key.items() if k in keys]
   rows = summarize(records, peers.systems)
   out = {
-      "config": report.as_dict(c), "results": rows, "best_against_best": best_against_best(rows),
+      "config": c.flat(), "results": rows,
+      "best_against_best": peers_report.best_against_best(rows),
       "settings": peers.settings, "skipped": peers.skipped, "num_prompts": len(questions),
       "commit": commit, "hardware": {**report.hardware(), "python": platform.python_version()},
       "runtime_s": time.perf_counter() - t_start, "compile_s": peers.engine.compile_s,
   }
-  out["markdown"] = format_markdown(out)
+  out["markdown"] = peers_report.format_markdown(out)
   with open(os.path.join(c.out, "results.json"), "w") as f:
     json.dump(out, f, indent=1)
   with open(os.path.join(c.out, "results.md"), "w") as f:

@@ -1,10 +1,10 @@
-"""One training run from a config (configs/medusa.py, configs/eagle.py,
-configs/eagle3.py, configs/draft_model.py): self-distillation data -> target features -> optax
-training with orbax checkpoints -> exported, fingerprinted drafter checkpoint."""
+"""One training run from its settings (`TrainSettings`, read from configs/medusa.py,
+configs/eagle.py, configs/eagle3.py or configs/draft_model.py): self-distillation data ->
+target features -> optax training with orbax checkpoints -> exported, fingerprinted drafter
+checkpoint."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Callable, Optional
@@ -22,12 +22,14 @@ from specjax.io.load import Model, load_model
 from specjax.models import transformer
 from specjax.models.config import tiny_config
 from specjax.io import checkpoints
+from specjax.settings import require
 from specjax.training import distill_data, draft_train, eagle_train, loop, medusa_train
+from specjax.training.settings import TrainSettings
 
 TINY = "tiny"  # a small random target (tests): token prompts, no tokenizer
 
 
-def _target(c) -> Model:
+def _target(c: TrainSettings) -> Model:
   if c.model == TINY:
     cfg = tiny_config(vocab_size=64, dim=64, num_layers=2, eos_id=-1, max_seq_len=256)
     params = transformer.init(jax.random.key(7), cfg)
@@ -38,7 +40,7 @@ def _target(c) -> Model:
   return load_model(c.model, c.dtype)
 
 
-def _tiny_records(model: Model, c) -> list:
+def _tiny_records(model: Model, c: TrainSettings) -> list:
   """The tiny target's own sampled (T = 1) answers to random token prompts
   (its greedy answers collapse into one repeated token)."""
   rng = np.random.default_rng(c.seed)
@@ -50,7 +52,12 @@ def _tiny_records(model: Model, c) -> list:
            "prompt": p, "answer": a} for i, (p, a) in enumerate(zip(prompts, res.tokens))]
 
 
-def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optional[int] = None):
+def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
+        stop_after: Optional[int] = None):
+  """Trains (or resumes) and exports the drafter `c` describes (a TrainSettings;
+  `TrainSettings.of(config)` reads a training config)."""
+  require(c, TrainSettings, "training.run.run")
+  TrainSettings.config_fields(c.method)  # an unknown method: ValueError before any work
   progress = progress or (lambda s: print(s, flush=True))
   t_start = time.perf_counter()
   model = _target(c)
@@ -68,7 +75,7 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
         max_prompt_tokens=c.max_prompt_tokens, batch_size=c.gen_batch_size,
         sample_fraction=c.sample_fraction, valid_fraction=c.valid_fraction,
         model_name=c.model, progress=progress))
-  n_ref = int(c.get("reference_examples", 0) or 0)
+  n_ref = c.reference_examples
   if n_ref and model.tokenizer is not None:
     ref = distill_data.reference_records(
         model.tokenizer, sources=[s.strip() for s in c.sources.split(",")], num_examples=n_ref,
@@ -80,14 +87,10 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
   train_seqs = distill_data.sequences(records, "train")
   valid_seqs = distill_data.sequences(records, "valid") or train_seqs[:2]
   progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")
-  method = c.get("method", "medusa")
-  if method in ("eagle", "eagle3"):
+  if c.method in ("eagle", "eagle3"):
     return _run_eagle(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
-  if method == "draft_model":
+  if c.method == "draft_model":
     return _run_draft_model(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
-  if method != "medusa":
-    raise ValueError(f"unknown drafter to train {method!r} "
-                     "(known: medusa, eagle, eagle3, draft_model)")
   # 2. features (once; reused by every epoch)
   t0 = time.perf_counter()
   pool = medusa_train.FeaturePool.build(model.params, model.cfg, train_seqs, seq_len=c.seq_len,
@@ -132,7 +135,7 @@ def run(c, progress: Optional[Callable[[str], None]] = None, stop_after: Optiona
     card = {"method": "medusa", "num_heads": c.num_heads,
             "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(
                 model.params, model.cfg),
-            "config": json.loads(c.to_json()), "train_steps": c.steps, "best_step": best_step,
+            "config": c.config(), "train_steps": c.steps, "best_step": best_step,
             "train_positions": len(pool), "valid_positions": len(vsub),
             "estimated": final_eval, "wall_s": round(time.perf_counter() - t_start, 1)}
     checkpoints.save_drafter(c.export, best, card)
@@ -159,14 +162,15 @@ def _pools(name: str, build):
   return distributed.primary_first(name, build)
 
 
-def _feature_cache(c) -> Optional[str]:
+def _feature_cache(c: TrainSettings) -> Optional[str]:
   """The feature cache directory (none for the tiny test target)."""
   if c.model == TINY:
     return None
-  return c.get("feature_cache") or None
+  return c.feature_cache or None
 
 
-def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_start):
+def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress, stop_after,
+               t_start):
   """EAGLE (c.method == 'eagle') or EAGLE-3 ('eagle3') head training."""
   cfg = model.cfg
   fused = c.method == "eagle3"
@@ -180,14 +184,7 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
                                 batch_size=c.feature_batch, cache_dir=_feature_cache(c))))
   progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
            f"{time.perf_counter() - t0:.0f}s")
-  vocab = None
-  if c.draft_vocab:
-    counts = eagle_train.token_counts(train_seqs, cfg.vocab_size)
-    vocab = eagle_train.reduced_vocab(counts, c.draft_vocab, always=(cfg.eos_id,))
-    covered = counts[vocab].sum() / max(counts.sum(), 1)
-    progress(f"reduced draft vocabulary: {len(vocab)} tokens cover {covered:.1%} of the "
-             "training answers' tokens")
-    vocab = jnp.asarray(vocab)
+  vocab = _reduced_vocab(c, cfg, train_seqs, progress)
   head0 = eagle.init_head(jax.random.key(c.seed), cfg, fused=fused)
   opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
   step_target, dp = _data_parallel(model)
@@ -231,7 +228,7 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
             "draft_vocab": 0 if vocab is None else int(len(vocab)),
             "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(
                 model.params, cfg),
-            "config": json.loads(c.to_json()), "train_steps": c.steps, "best_step": best_step,
+            "config": c.config(), "train_steps": c.steps, "best_step": best_step,
             "train_positions": pool.num_positions, "valid_windows": len(windows),
             "estimated": final_eval, "wall_s": round(time.perf_counter() - t_start, 1)}
     checkpoints.save_drafter(c.export, params, card)
@@ -240,7 +237,7 @@ def _run_eagle(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_
   return out
 
 
-def _reduced_vocab(c, cfg, train_seqs, progress):
+def _reduced_vocab(c: TrainSettings, cfg, train_seqs, progress):
   if not c.draft_vocab:
     return None
   counts = eagle_train.token_counts(train_seqs, cfg.vocab_size)
@@ -251,7 +248,8 @@ def _reduced_vocab(c, cfg, train_seqs, progress):
   return jnp.asarray(vocab)
 
 
-def _run_draft_model(c, model: Model, train_seqs, valid_seqs, progress, stop_after, t_start):
+def _run_draft_model(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
+                     stop_after, t_start):
   """A small independent draft model distilled from the target (draft_train)."""
   cfg = model.cfg
   scfg = draft_model_lib.student_config(cfg, c.draft_layers)
@@ -308,7 +306,7 @@ def _run_draft_model(c, model: Model, train_seqs, valid_seqs, progress, stop_aft
             "draft_vocab": 0 if vocab is None else int(len(vocab)),
             "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(
                 model.params, cfg),
-            "config": json.loads(c.to_json()), "train_steps": c.steps, "best_step": best_step,
+            "config": c.config(), "train_steps": c.steps, "best_step": best_step,
             "train_positions": pool.num_positions, "valid_positions": vpool.num_positions,
             "estimated": final_eval, "estimated_at_init": initial_eval,
             "wall_s": round(time.perf_counter() - t_start, 1)}

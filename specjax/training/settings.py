@@ -1,0 +1,110 @@
+"""A drafter training run's settings (`run.run`): one frozen dataclass with
+the fields every training config shares and each drafter's own, one default
+each. The training configs (configs/common.py `training_config`) carry the
+shared fields and their method's (`config_fields`), and set the per-method
+choices (steps, lr, workdir, export, ...) in configs/medusa.py, eagle.py,
+eagle3.py and draft_model.py; `experiments/train.py` reads its ConfigDict
+into these settings once (`TrainSettings.of(config)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Tuple
+
+from specjax.settings import RunSettings
+
+METHODS = ("medusa", "eagle", "eagle3", "draft_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings(RunSettings):
+  """One drafter training run (`specjax.training.run.run`)."""
+
+  method: str = "medusa"  # medusa | eagle | eagle3 | draft_model
+  model: str = "smollm2-135m"  # the target ('tiny': a small random one, for tests)
+  dtype: str = "float32"
+  # self-distillation data
+  sources: str = "alpaca,code_alpaca,gpteacher_code,gsm8k_train"
+  num_examples: int = 600  # 0: train on what the data file holds
+  max_new_tokens: int = 192
+  max_prompt_tokens: int = 192
+  gen_batch_size: int = 8
+  sample_fraction: float = 0.25
+  valid_fraction: float = 0.05
+  data_path: str = ""  # '': workdir/distill.jsonl
+  seed: int = 0
+  # + this many datasets' reference answers (teacher-forced through the target:
+  # one forward each instead of a generation)
+  reference_examples: int = 0
+  # features
+  seq_len: int = 384
+  feature_batch: int = 4
+  # computed features are kept here and reused by runs over the same data ('' = off)
+  feature_cache: str = "/tmp/specjax_train/features"
+  # optimizer and cadence
+  steps: int = 1500
+  lr: float = 1e-3
+  warmup: int = 50
+  weight_decay: float = 0.0
+  clip: float = 1.0
+  eval_every: int = 250
+  save_every: int = 250
+  log_every: int = 25
+  workdir: str = "/tmp/specjax_train/medusa"  # checkpoints, metrics; a run resumes from it
+  # data-parallel over several processes of one JAX job on this machine
+  # (experiments/train.py starts them; process 0 writes data, checkpoints and
+  # the export): processes x local_devices devices on the `data` axis
+  processes: int = 1
+  local_devices: int = 0  # host CPU devices per process; 0: JAX's default
+  # Medusa heads
+  num_heads: int = 4
+  decay: float = 0.8  # Medusa heads / EAGLE unrolled step s: loss weight decay**s
+  batch_positions: int = 128
+  valid_max_positions: int = 4096
+  # EAGLE / EAGLE-3 head
+  draft_vocab: int = 0  # 0: the full vocabulary; else the N most frequent answer tokens
+  ttt_steps: int = 1  # unrolled steps (EAGLE-3's training-time test)
+  w_reg: float = 1.0  # EAGLE: feature regression (smooth L1)
+  w_cls: float = 0.1
+  noise: float = 0.1  # EAGLE: uniform feature noise U(-noise, noise)
+  window: int = 128
+  batch_windows: int = 4
+  eval_k: int = 4  # EAGLE(-3), draft model: the tau estimate's chain length
+  valid_max_windows: int = 48
+  # distilled draft model
+  draft_layers: int = 4
+  init_layers: str = ""  # '' = the target's first draft_layers layers; else e.g. '0,1,2,29'
+  loss: str = "kl"  # kl | tv | kl+tv against the target's T = 1 distributions
+  batch_seqs: int = 4
+  valid_max_seqs: int = 32
+  # the exported weights' dtype (loading casts them to the target's dtype)
+  store_dtype: str = "bfloat16"
+  export: str = ""  # the exported drafter checkpoint ('': none)
+
+  @classmethod
+  def config_fields(cls, method: str) -> Tuple[str, ...]:
+    """The fields a training config of `method` carries, in its order: the
+    shared ones, the method's own, then `export`."""
+    if method not in METHOD_FIELDS:
+      raise ValueError(f"unknown drafter to train {method!r} (known: {', '.join(METHODS)})")
+    return SHARED_FIELDS + METHOD_FIELDS[method] + ("export",)
+
+  def config(self) -> Dict[str, Any]:
+    """{field: value} of this run's method's config fields (the exported
+    checkpoint's card records them)."""
+    return {name: getattr(self, name) for name in self.config_fields(self.method)}
+
+
+_EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "decay", "window",
+          "batch_windows", "eval_k", "valid_max_windows")
+# each method's own fields (the others of its config are shared)
+METHOD_FIELDS = {
+    "medusa": ("num_heads", "decay", "batch_positions", "valid_max_positions"),
+    "eagle": _EAGLE,
+    "eagle3": _EAGLE,
+    "draft_model": ("draft_layers", "init_layers", "loss", "draft_vocab", "batch_seqs", "eval_k",
+                    "valid_max_seqs", "store_dtype"),
+}
+_OWN = {name for names in METHOD_FIELDS.values() for name in names} | {"export"}
+SHARED_FIELDS = tuple(f.name for f in dataclasses.fields(TrainSettings) if f.name not in _OWN)
