@@ -31,8 +31,8 @@ QUESTIONS = [
 METHODS = ("prompt_lookup", "replay", "prompt_lookup@k=2")
 FIELDS = ("method", "category", "speedup", "tau", "alpha", "tokens_per_s", "ar_tokens_per_s",
           "greedy_identical", "num_prompts", "temperature", "batch_size", "k", "top_k", "top_p",
-          "precision", "seed", "max_new_tokens", "checkpoint", "speedup_iqr", "commit",
-          "hardware")
+          "precision", "seed", "max_new_tokens", "checkpoint", "speedup_iqr", "speedup_median",
+          "commit", "hardware")
 
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "benchmark.py")
@@ -83,7 +83,7 @@ def test_results_files_and_schema(bench):
     assert set(FIELDS) <= set(r), set(FIELDS) - set(r)
     assert r["speedup"] > 0 and r["tokens_per_s"] > 0 and r["ar_tokens_per_s"] > 0
     q1, q3 = r["speedup_iqr"]
-    assert q1 <= q3
+    assert q1 <= r["speedup_median"] <= q3
     assert r["checkpoint"] is None and r["precision"] == "float32"
     k = 2 if r["method"].endswith("@k=2") else 4
     assert (r["k"], r["max_new_tokens"], r["batch_size"], r["temperature"]) == (k, 8, 1, 0.0)

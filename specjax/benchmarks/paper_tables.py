@@ -72,6 +72,11 @@ def _overall(results) -> Dict[str, dict]:
   return {r["method"]: r for r in results if r["category"] == specbench.ALL}
 
 
+def _run_overall(sub, model, progress) -> Dict[str, dict]:
+  """Run (or resume) one sub-benchmark -> its overall row per method."""
+  return _overall(specbench.run_benchmark(sub, model=model, progress=progress)["results"])
+
+
 def _write(out: str, name: str, rows: List[dict], md_lines: List[str],
            plot: Optional[Callable] = None) -> dict:
   """out/name.{json,md,png} -> {"rows", "markdown"}."""
@@ -102,7 +107,7 @@ def leviathan(c: PaperTablesSettings, model=None, progress=None) -> dict:
   for label, temp in (("greedy", 0.0), ("T=1", 1.0)):
     sub = _sub(c, os.path.join(out, label.replace("=", "")),
                sampling=dataclasses.replace(c.sampling, temperature=temp))
-    runs[label] = _overall(specbench.run_benchmark(sub, model=model, progress=progress)["results"])
+    runs[label] = _run_overall(sub, model, progress)
   rows = [{"method": m, **{f"alpha_{lab}": runs[lab][m]["alpha"] for lab in runs},
            **{f"tau_{lab}": runs[lab][m]["tau"] for lab in runs},
            **{f"speedup_{lab}": runs[lab][m]["speedup"] for lab in runs},
@@ -140,19 +145,30 @@ def specbench_table(c: PaperTablesSettings, model=None, progress=None) -> dict:
   cats.append(specbench.ALL)
   by = {(r["method"], r["category"]): r for r in results}
   rows = [{"method": m, "category": cat, "speedup": by[m, cat]["speedup"],
+           "speedup_median": by[m, cat].get("speedup_median"),
+           "speedup_iqr": by[m, cat]["speedup_iqr"], "num_prompts": by[m, cat]["num_prompts"],
            "tau": by[m, cat]["tau"], "alpha": by[m, cat]["alpha"],
            "tokens_per_s": by[m, cat]["tokens_per_s"],
            "ar_tokens_per_s": by[m, cat]["ar_tokens_per_s"],
            "greedy_identical": by[m, cat]["greedy_identical"]}
           for m in _methods(c) for cat in cats if (m, cat) in by]
-  md = [f"Speedup over AR (tau) per Spec-Bench category; temperature {sub.sampling.temperature}, "
-        f"B = {sub.batch_size}, {sub.max_new_tokens} new tokens, {sub.dtype}.", "",
-        "| method | " + " | ".join("overall" if x == specbench.ALL else x for x in cats) + " |",
+  prompts = {x: next((r["num_prompts"] for r in rows if r["category"] == x), 0) for x in cats}
+  md = [f"Speedup over AR per Spec-Bench category: the median of the per-prompt speedups "
+        f"[IQR across prompts] (tau, tokens per target forward); temperature "
+        f"{sub.sampling.temperature}, B = {sub.batch_size}, {sub.max_new_tokens} new tokens, "
+        f"{sub.dtype}.", "",
+        "| method | " + " | ".join(("overall" if x == specbench.ALL else x) + f" ({prompts[x]})"
+                                  for x in cats) + " |",
         "|---|" + "---|" * len(cats)]
+
+  def cell(r):
+    q1, q3 = r["speedup_iqr"]
+    return (f"{report.fmt(r.get('speedup_median'))}x [{report.fmt(q1)}-{report.fmt(q3)}] "
+            f"({report.fmt(r['tau'])})")
+
   for m in _methods(c):
-    md.append(f"| {m} | " + " | ".join(
-        f"{report.fmt(by[m, x]['speedup'])}x ({report.fmt(by[m, x]['tau'])})"
-        if (m, x) in by else "-" for x in cats) + " |")
+    md.append(f"| {m} | " + " | ".join(cell(by[m, x]) if (m, x) in by else "-"
+                                        for x in cats) + " |")
   md.append("| AR tok/s | " + " | ".join(
       report.fmt(next((r["ar_tokens_per_s"] for r in rows if r["category"] == x), None), "{:.1f}")
       for x in cats) + " |")
@@ -179,7 +195,7 @@ def gamma(c: PaperTablesSettings, model=None, progress=None) -> dict:
   for m in _methods(c):
     sub = _sub(c, os.path.join(out, m.replace("@", "_")),
                methods=",".join(f"{m}@k={k}" for k in ks))
-    res = _overall(specbench.run_benchmark(sub, model=model, progress=progress)["results"])
+    res = _run_overall(sub, model, progress)
     for k in ks:
       r = res[f"{m}@k={k}"]
       rows.append({"method": m, "k": k, "alpha": r["alpha"], "tau": r["tau"],
@@ -221,7 +237,7 @@ def batch(c: PaperTablesSettings, model=None, progress=None) -> dict:
   for b in sizes:
     sub = _sub(c, os.path.join(out, f"B{b}"), batch_size=b,
                prompt_limit=max(b, int(c.prompt_limit or 1)))
-    res = _overall(specbench.run_benchmark(sub, model=model, progress=progress)["results"])
+    res = _run_overall(sub, model, progress)
     for m in _methods(c):
       r = res[m]
       rows.append({"method": m, "batch_size": b, "speedup": r["speedup"], "tau": r["tau"],

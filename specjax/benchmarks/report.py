@@ -42,6 +42,12 @@ def quartiles(values: Sequence[float]) -> list:
   return [q1, q3]
 
 
+def median(values: Sequence[float]) -> Optional[float]:
+  """The median of the finite values (None when there are none)."""
+  v = [x for x in values if x is not None and math.isfinite(x)]
+  return statistics.median(v) if v else None
+
+
 def upto_eos(tokens: Sequence[int], eos_id: int) -> list:
   """Tokens up to and including the first EOS (every system stops there)."""
   tokens = list(tokens)

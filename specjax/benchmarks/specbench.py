@@ -26,8 +26,9 @@ Aggregation per method and category (and over all categories, 'all'):
   tokens_per_s     = total decode tokens / total decode time (medians over repeats)
   ar_tokens_per_s  = the same for the interleaved AR runs
   speedup          = tokens_per_s / ar_tokens_per_s
-  speedup_iqr      = [q1, q3] of the per-question speedups (each question's
-                     tokens/s ratio), the spread across prompts
+  speedup_median   = the median of the per-question speedups (each question's
+                     tokens/s ratio)
+  speedup_iqr      = [q1, q3] of the per-question speedups, the spread across prompts
   tau              = tokens per target verify forward (bonus included)
   alpha            = accepted / evaluated guesses
   greedy_identical = every output equals AR's token for token (None when sampling)
@@ -304,6 +305,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
       out.append({
           "method": m, "category": cat,
           "speedup": report.ratio(tps, ar_tps), "speedup_iqr": report.quartiles(per_q),
+          "speedup_median": report.median(per_q),
           "tau": report.ratio(st["emitted"], st["rounds"]),
           "alpha": report.ratio(st["accepted"], st["proposed"]),
           "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,

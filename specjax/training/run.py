@@ -118,11 +118,7 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   def eval_fn(heads):
     return medusa_train.estimate(heads, model.params, model.cfg, vsub, c.num_heads)
 
-  result = loop.train(workdir=c.workdir, init_params=heads0, optimizer=opt, step_fn=step_fn,
-                      batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
-                      eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
-                      log_every=c.log_every, progress=progress, stop_after=stop_after,
-                      key=jax.random.key(c.seed))
+  result = _train(c, heads0, opt, step_fn, batch_fn, eval_fn, progress, stop_after)
   out = {"step": result.step, "workdir": c.workdir, "train_positions": len(pool),
          "valid_positions": len(vsub), "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps or not distributed.is_primary():
@@ -160,6 +156,16 @@ def _data_parallel(model: Model):
 def _pools(name: str, build):
   """build() once per job: process 0 first (it writes the feature cache), then the others."""
   return distributed.primary_first(name, build)
+
+
+def _train(c: TrainSettings, init_params, opt, step_fn, batch_fn, eval_fn, progress,
+           stop_after):
+  """The training loop with the run's cadence (best checkpoint by tau)."""
+  return loop.train(workdir=c.workdir, init_params=init_params, optimizer=opt, step_fn=step_fn,
+                    batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
+                    eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
+                    log_every=c.log_every, progress=progress, stop_after=stop_after,
+                    key=jax.random.key(c.seed))
 
 
 def _feature_cache(c: TrainSettings) -> Optional[str]:
@@ -206,11 +212,7 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
   def eval_fn(head):
     return eagle_train.estimate(head, model.params, cfg, windows, c.eval_k, vocab)
 
-  result = loop.train(workdir=c.workdir, init_params=head0, optimizer=opt, step_fn=step_fn,
-                      batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
-                      eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
-                      log_every=c.log_every, progress=progress, stop_after=stop_after,
-                      key=jax.random.key(c.seed))
+  result = _train(c, head0, opt, step_fn, batch_fn, eval_fn, progress, stop_after)
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_windows": len(windows), "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps or not distributed.is_primary():
@@ -280,11 +282,7 @@ def _run_draft_model(c: TrainSettings, model: Model, train_seqs, valid_seqs, pro
                                 batch_seqs=c.batch_seqs, max_len=c.seq_len,
                                 max_seqs=c.valid_max_seqs or None)
 
-  result = loop.train(workdir=c.workdir, init_params=student0, optimizer=opt, step_fn=step_fn,
-                      batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
-                      eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
-                      log_every=c.log_every, progress=progress, stop_after=stop_after,
-                      key=jax.random.key(c.seed))
+  result = _train(c, student0, opt, step_fn, batch_fn, eval_fn, progress, stop_after)
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_positions": vpool.num_positions, "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps or not distributed.is_primary():
