@@ -37,6 +37,14 @@ def tokens_for(key, b, t):
   return jax.random.randint(jax.random.key(key), (b, t), 3, CFG.vocab_size, dtype=jnp.int32)
 
 
+# A block of T tokens and T one-token steps group the f32 reductions differently
+# (GEMM vs GEMV), so logits agree to rounding, not bitwise (the bitwise mode is
+# tests/test_batch_invariant.py). The tiny model's logits reach ~20 and the
+# differences measured up to 2.4e-5 (AMD EPYC; 1e-5 elsewhere): 1e-4 absolute
+# is still ~1e3 below what a wrong position, mask or cache slot changes (>0.1).
+BLOCK_ATOL = 1e-4
+
+
 def full_forward(params, toks):
   b, t = toks.shape
   pos = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -53,7 +61,7 @@ def test_prefill_then_steps_equals_full_forward(params):
   for t in range(5, 12):
     l, _, c = forward(params, CFG, toks[:, t:t + 1], transformer.chain_positions(c, 1), c)
     outs.append(l)
-  np.testing.assert_allclose(jnp.concatenate(outs, 1), ref, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(jnp.concatenate(outs, 1), ref, atol=BLOCK_ATOL, rtol=1e-5)
   assert np.all(np.isfinite(np.asarray(ref)))
   np.testing.assert_array_equal(c.length, [12, 12])
 
@@ -74,13 +82,13 @@ def test_block_of_t_equals_t_single_steps_at_ragged_offsets(params):
   for t in range(5):
     l, _, c = forward(params, CFG, new[:, t:t + 1], transformer.chain_positions(c, 1), c)
     steps.append(l)
-  np.testing.assert_allclose(block_logits, jnp.concatenate(steps, 1), atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(block_logits, jnp.concatenate(steps, 1), atol=BLOCK_ATOL, rtol=1e-5)
   np.testing.assert_array_equal(block_cache.length, lengths + 5)
   # And each row equals an independent full forward over its own prefix + block.
   for b in range(3):
     seq = jnp.concatenate([toks[b:b + 1, :lengths[b]], new[b:b + 1]], axis=1)
     ref, _ = full_forward(params, seq)
-    np.testing.assert_allclose(block_logits[b], ref[0, -5:], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(block_logits[b], ref[0, -5:], atol=BLOCK_ATOL, rtol=1e-5)
 
 
 def test_rollback_is_a_length_change(params):
@@ -132,7 +140,7 @@ def test_tree_mask_matches_each_branch_as_a_chain(params):
   for branch in ([0, 1, 2], [0, 3, 4]):
     chain = nodes[:, branch]
     ref, _, _ = forward(params, CFG, chain, transformer.chain_positions(c, 3), c)
-    np.testing.assert_allclose(tree_logits[:, branch], ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(tree_logits[:, branch], ref, atol=BLOCK_ATOL, rtol=1e-5)
 
 
 def test_inactive_rows_write_nothing(params):
