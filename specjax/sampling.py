@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import Tuple
 
 import jax
 import jax.numpy as jnp
@@ -52,20 +53,63 @@ def probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
   logits = logits / cfg.temperature
   if cfg.top_k and cfg.top_k < logits.shape[-1]:
-    kth = jax.lax.top_k(logits, cfg.top_k)[0][..., -1:]
+    # The k-th largest as the min of the top-k values: slicing it out of
+    # `top_k`'s output makes XLA CPU lower `top_k` as a full sort (~10 ms a
+    # row over SmolLM2's 49,152 tokens, against 0.1 ms); the value is the same.
+    kth = jnp.min(jax.lax.top_k(logits, cfg.top_k)[0], axis=-1, keepdims=True)
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   if cfg.top_p < 1.0:
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-    sorted_p = jax.nn.softmax(sorted_logits, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays if the
-    # mass strictly before it is below top_p (the top token always stays).
-    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    keep_sorted = before < cfg.top_p
-    keep = jnp.zeros_like(keep_sorted)
-    keep = jnp.put_along_axis(keep, order, keep_sorted, axis=-1, inplace=False)
-    logits = jnp.where(keep, logits, -jnp.inf)
+    logits = jnp.where(nucleus(logits, cfg.top_p), logits, -jnp.inf)
   return jax.nn.softmax(logits, axis=-1)
+
+
+# Candidate counts tried in turn before the full sort: the nucleus lies inside
+# the top m tokens whenever their mass reaches top_p (SmolLM2 at T = 1 on its
+# own answers: 99.2% of positions for m = 256, all of them for m = 4096).
+NUCLEUS_CANDIDATES = (256, 4096)
+
+
+def nucleus(logits: jax.Array, top_p: float,
+            candidates: Tuple[int, ...] = NUCLEUS_CANDIDATES) -> jax.Array:
+  """Bool mask of the top-p nucleus over the last axis: the smallest set of
+  highest-probability tokens (ties: lower index first) whose mass reaches
+  top_p, i.e. token i stays if the mass strictly before it is below top_p.
+
+  The full sort the definition reads costs ~12 ms a row on CPU at V = 49,152;
+  the nucleus is found among the top m tokens (`lax.top_k`, in the same order)
+  whenever their mass reaches top_p for every row, trying each m of
+  `candidates` before falling back to the sort. Each way gives the same set
+  (up to float round-off in the running sum at the top_p boundary).
+  """
+  v = logits.shape[-1]
+  m = next((c for c in candidates if c < v), None)
+  if m is None:
+    return _nucleus_sorted(logits, top_p)
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  total = jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True)
+  vals, idx = jax.lax.top_k(logits, m)
+  p = jnp.exp(vals - top) / total
+  before = jnp.cumsum(p, axis=-1) - p
+  covered = jnp.all(before[..., -1] + p[..., -1] >= top_p)  # the next token is out
+
+  def inside(operands):
+    logits, idx, keep = operands
+    return jnp.put_along_axis(jnp.zeros(logits.shape, bool), idx, keep, axis=-1, inplace=False)
+
+  def beyond(operands):
+    rest = tuple(c for c in candidates if c > m)
+    return nucleus(operands[0], top_p, rest)
+
+  return jax.lax.cond(covered, inside, beyond, (logits, idx, before < top_p))
+
+
+def _nucleus_sorted(logits: jax.Array, top_p: float) -> jax.Array:
+  """`nucleus` by the definition: a full (stable, descending) sort."""
+  order = jnp.argsort(-logits, axis=-1)
+  sorted_p = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+  before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+  keep = jnp.zeros(logits.shape, bool)
+  return jnp.put_along_axis(keep, order, before < top_p, axis=-1, inplace=False)
 
 
 def inverse_cdf(p: jax.Array, u: jax.Array) -> jax.Array:

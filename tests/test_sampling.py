@@ -67,6 +67,48 @@ def test_top_p_keeps_the_smallest_prefix_reaching_top_p():
     np.testing.assert_allclose(float(p.sum()), 1.0, rtol=1e-6)
 
 
+def _nucleus_reference(logits, top_p):
+  """float64 NumPy nucleus by the definition (stable descending sort)."""
+  x = np.asarray(logits, np.float64)
+  keep = np.zeros(x.shape, bool)
+  for r, row in enumerate(x):
+    order = np.argsort(-row, kind="stable")
+    p = _softmax(row[order])
+    keep[r, order] = (np.cumsum(p) - p) < top_p
+  return keep
+
+
+@pytest.mark.parametrize("top_p,medium", [(0.5, 2.0), (0.9, 3.0)])
+def test_nucleus_from_candidates_equals_the_full_sort(top_p, medium):
+  # V = 1024 with candidate counts (16, 128): peaked rows are decided by the
+  # top 16, medium rows by the top 128, flat rows need the full sort; ties
+  # (rounded logits) straddle the candidate cut. Each way must give the set
+  # the definition gives.
+  rng = np.random.default_rng(0)
+  scale = np.array([8.0] * 4 + [medium] * 4 + [0.05] * 4)[:, None]
+  logits = np.round(rng.standard_normal((12, 1024)) * scale, 1).astype(np.float32)
+  fn = jax.jit(lambda x: sampling.nucleus(x, top_p, (16, 128)))
+  want = _nucleus_reference(logits, top_p)
+  mass = np.sort(_softmax(logits), -1)[:, ::-1].cumsum(-1)
+  levels = [(mass[:, 15] >= top_p), (mass[:, 127] >= top_p)]
+  for rows in (slice(0, 4), slice(4, 8), slice(8, 12), slice(0, 12)):  # each level, all
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(logits[rows]))), want[rows])
+  assert levels[0][:4].all() and not levels[0][4:].any() and levels[1][4:8].all()
+  assert not levels[1][8:].any()
+  # probs goes through the same function: its support is the nucleus
+  p = sampling.probs(jnp.asarray(logits), SamplingConfig(top_p=top_p))
+  np.testing.assert_array_equal(np.asarray(p) > 0, want)
+
+
+def test_top_k_threshold_on_a_large_vocabulary():
+  # top_k over SmolLM2-sized rows: exactly the k largest (distinct values).
+  logits = jax.random.normal(jax.random.key(0), (3, 49152))
+  p = np.asarray(sampling.probs(logits, SamplingConfig(top_k=50)))
+  top = np.argsort(-np.asarray(logits), -1)[:, :50]
+  for r in range(3):
+    assert _support(p[r]) == set(top[r].tolist())
+
+
 def test_top_p_renormalises_the_kept_tokens():
   logits = jnp.log(jnp.array([0.5, 0.3, 0.2]))
   p = sampling.probs(logits, SamplingConfig(top_p=0.7))
