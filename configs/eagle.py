@@ -24,8 +24,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def get_config(arg=None, method="eagle"):
   # The fields (specjax.training.settings.TrainSettings): the shared ones and
-  # EAGLE's (draft_vocab, ttt_steps, w_reg, w_cls, noise, decay, window,
-  # batch_windows, eval_k, valid_max_windows). EAGLE-3 unrolls 3 steps (the
+  # EAGLE's (draft_vocab, ttt_steps, w_reg, w_cls, noise, decay, context,
+  # batch_tokens, window, batch_windows, eval_k, valid_max_windows): whole
+  # sequences from position 0 by default. EAGLE-3 unrolls 3 steps (the
   # training-time test) with the classification loss at full weight.
   # The shipped head is the reduced-vocabulary one (`:reduced`); a full-vocabulary
   # run exports beside it.
@@ -35,7 +36,7 @@ def get_config(arg=None, method="eagle"):
                              **(dict(ttt_steps=3, w_cls=1.0) if method == "eagle3" else {}))
   if arg == "tiny":  # a tiny random target, trained in seconds (tests)
     c.update(dict(model="tiny", num_examples=24, max_new_tokens=24, seq_len=48,
-                  feature_batch=8, window=16, batch_windows=8, steps=40, lr=3e-3, warmup=5,
+                  feature_batch=8, batch_tokens=256, window=16, batch_windows=8, steps=40, lr=3e-3, warmup=5,
                   eval_every=20, save_every=10, log_every=10, valid_fraction=0.2, eval_k=3,
                   valid_max_windows=16, workdir=f"/tmp/specjax_train/{method}_tiny", export=""))
   elif arg == "reduced":

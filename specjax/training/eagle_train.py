@@ -4,7 +4,13 @@ Features: one target forward per batch of sequences, kept in host memory per
 sequence (the final normed hidden state f, and for EAGLE-3 also the low /
 middle / high layer outputs), reused by every epoch.
 
-Training windows: T consecutive positions j of one sequence. The head reads
+Training batches are whole sequences from position 0 (prompt + answer,
+length-bucketed, `SeqPool.sequence_batch`), so the head attends to the same
+prefix it has in its cache while drafting; the loss is on answer positions.
+(`SeqPool.batch`'s random T-position windows near the answer are the older
+recipe, kept for comparison: there the head sees at most T - 1 positions of
+history and rarely the instruction.) In either, a window holds T consecutive
+positions j of one sequence. The head reads
 the pairs (g_j, x_{j+1}) and its output a_j is trained to give the target's
 distribution p_{j+1} = softmax(LMHead(f_{j+1})) (the distribution of
 x_{j+2}; soft labels, cross-entropy over the draft vocabulary) -- and, for
@@ -52,11 +58,16 @@ def _features(params, cfg, tokens, taps):
   return hidden
 
 
+# Length buckets of whole-sequence batches (a compiled step shape each).
+BUCKETS = (64, 128, 256, 512, 1024)
+
+
 class SeqPool:
   """Per-sequence target features: tokens, final normed hidden f, taps."""
 
   def __init__(self, tokens, final, taps, plen):
     self.tokens, self.final, self.taps, self.plen = tokens, final, taps, plen
+    self._by_width: Optional[Dict[int, List[int]]] = None
 
   def __len__(self):
     return len(self.tokens)
@@ -172,6 +183,46 @@ class SeqPool:
       hi = max(n - t // 2, lo + 1)
       rows.append(self.window(i, int(rng.integers(lo, hi)), t))
     return {k: np.stack([r[k] for r in rows]) for k in rows[0] if k != "d"}
+
+  def width(self, i: int) -> int:
+    """Sequence i's bucket: the smallest of `BUCKETS` holding it (else its
+    length rounded up to 64)."""
+    n = len(self.tokens[i])
+    return next((w for w in BUCKETS if w >= n), cache_lib.round_up(n, 64))
+
+  def sequence_batch(self, rng: np.random.Generator, batch_tokens: int) -> dict:
+    """Whole sequences from position 0 (prompt + answer, loss on the answer),
+    as drafting sees them: the head attends to the whole prefix. One length
+    bucket per batch, `batch_tokens // width` sequences of it (at least one);
+    the bucket is drawn in proportion to its answer positions, so every
+    position is equally likely to be trained on."""
+    by_width = self._buckets()
+    widths = sorted(by_width)
+    weight = np.asarray([sum(self._answer_positions(i) for i in by_width[w]) for w in widths],
+                        np.float64)
+    w = widths[int(rng.choice(len(widths), p=weight / weight.sum()))]
+    members = by_width[w]
+    rows = max(batch_tokens // w, 1)
+    pick = rng.choice(len(members), size=rows, replace=len(members) < rows)
+    chosen = [self.window(members[int(j)], 0, w) for j in pick]
+    return {k: np.stack([r[k] for r in chosen]) for k in chosen[0] if k != "d"}
+
+  def eval_sequences(self, max_sequences: Optional[int] = None) -> List[dict]:
+    """Every sequence whole from position 0 (its bucket's width), in order."""
+    n = len(self) if not max_sequences else min(len(self), max_sequences)
+    return [self.window(i, 0, self.width(i)) for i in range(n) if self._answer_positions(i)]
+
+  def _answer_positions(self, i: int) -> int:
+    return max(len(self.tokens[i]) - max(self.plen[i] - 1, 0) - 1, 0)
+
+  def _buckets(self) -> Dict[int, List[int]]:
+    if self._by_width is None:
+      by_width: Dict[int, List[int]] = {}
+      for i in range(len(self)):
+        if self._answer_positions(i):
+          by_width.setdefault(self.width(i), []).append(i)
+      self._by_width = by_width
+    return self._by_width
 
   def eval_windows(self, t: int, max_windows: Optional[int] = None) -> List[dict]:
     """Deterministic windows tiling every sequence's answer."""
@@ -338,10 +389,8 @@ def _eval_batch(head, target_params, cfg, batch, vocab, steps):
   return jnp.stack(correct, -1), jnp.stack(overlap, -1)  # (B, T, steps)
 
 
-def estimate(head, target_params, cfg, windows: Sequence[dict], k: int, vocab=None,
-             batch_size: int = 8) -> Dict[str, float]:
-  """Teacher-forced acceptance of a k-chain (module docstring) over `windows`."""
-  corr, over = [], []
+def _estimate_group(head, target_params, cfg, windows, k, vocab, batch_size, corr, over):
+  """Append the per-chain agreement / overlap of `windows` (one width)."""
   for s in range(0, len(windows), batch_size):
     chunk = list(windows[s:s + batch_size])
     real = len(chunk)
@@ -349,7 +398,6 @@ def estimate(head, target_params, cfg, windows: Sequence[dict], k: int, vocab=No
     b = {key: jnp.asarray(np.stack([w[key] for w in chunk])) for key in chunk[0] if key != "d"}
     c, o = _eval_batch(head, target_params, cfg, b, vocab, k)
     c, o = np.asarray(c)[:real], np.asarray(o)[:real]
-    # chain starting at window index i: step s sits at i + s
     ans = np.stack([w["answer"] for w in chunk[:real]])
     t = ans.shape[1]
     steps = np.arange(k)
@@ -357,6 +405,17 @@ def estimate(head, target_params, cfg, windows: Sequence[dict], k: int, vocab=No
       rows = ans[:, i:i + k].all(1)
       corr += c[rows][:, i + steps, steps].tolist()
       over += o[rows][:, i + steps, steps].tolist()
+
+
+def estimate(head, target_params, cfg, windows: Sequence[dict], k: int, vocab=None,
+             batch_size: int = 8) -> Dict[str, float]:
+  """Teacher-forced acceptance of a k-chain (module docstring) over `windows`."""
+  corr, over = [], []
+  groups: Dict[int, List[dict]] = {}
+  for w in windows:  # windows of one width are evaluated together
+    groups.setdefault(len(w["tokens"]), []).append(w)
+  for _, group in sorted(groups.items()):
+    _estimate_group(head, target_params, cfg, group, k, vocab, batch_size, corr, over)
   if not corr:
     return {"tau": 1.0, "tau_t1": 1.0}
   corr, over = np.asarray(corr, np.float64), np.asarray(over, np.float64)

@@ -198,16 +198,26 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
                                      w_reg=0.0 if fused else c.w_reg, w_cls=c.w_cls,
                                      decay=c.decay, noise=0.0 if fused else c.noise))
 
+  if c.context not in ("sequence", "window"):
+    raise ValueError(f"unknown context {c.context!r} for EAGLE training (known: sequence, "
+                     "window)")
+
   def batch_fn(step):
     rng = np.random.default_rng([c.seed, step])
-    b = pool.batch(rng, c.batch_windows, c.window)
+    if c.context == "sequence":
+      b = pool.sequence_batch(rng, c.batch_tokens)
+    else:
+      b = pool.batch(rng, c.batch_windows, c.window)
     b = jax.tree.map(jnp.asarray, b)
     # the step's key as raw key data: a batch is plain arrays (split or
     # replicated over processes); the step wraps it back
     b["key"] = jax.random.key_data(jax.random.fold_in(jax.random.key(c.seed), step))
     return b
 
-  windows = vpool.eval_windows(c.window, c.valid_max_windows or None)
+  if c.context == "sequence":
+    windows = vpool.eval_sequences(c.valid_max_windows or None)
+  else:
+    windows = vpool.eval_windows(c.window, c.valid_max_windows or None)
 
   def eval_fn(head):
     return eagle_train.estimate(head, model.params, cfg, windows, c.eval_k, vocab)

@@ -68,10 +68,15 @@ class TrainSettings(RunSettings):
   w_reg: float = 1.0  # EAGLE: feature regression (smooth L1)
   w_cls: float = 0.1
   noise: float = 0.1  # EAGLE: uniform feature noise U(-noise, noise)
+  # 'sequence': whole sequences from position 0 (prompt + answer, one length
+  # bucket per batch, batch_tokens positions), the prefix drafting sees;
+  # 'window': random `window`-position windows near the answer, batch_windows a batch
+  context: str = "sequence"
+  batch_tokens: int = 1024
   window: int = 128
   batch_windows: int = 4
   eval_k: int = 4  # EAGLE(-3), draft model: the tau estimate's chain length
-  valid_max_windows: int = 48
+  valid_max_windows: int = 48  # validation windows ('sequence': whole sequences)
   # distilled draft model
   draft_layers: int = 4
   init_layers: str = ""  # '' = the target's first draft_layers layers; else e.g. '0,1,2,29'
@@ -96,8 +101,8 @@ class TrainSettings(RunSettings):
     return {name: getattr(self, name) for name in self.config_fields(self.method)}
 
 
-_EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "decay", "window",
-          "batch_windows", "eval_k", "valid_max_windows")
+_EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "decay", "context",
+          "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows")
 # each method's own fields (the others of its config are shared)
 METHOD_FIELDS = {
     "medusa": ("num_heads", "decay", "batch_positions", "valid_max_positions"),

@@ -1,0 +1,64 @@
+"""EAGLE training batches: whole sequences from position 0 (the prefix the head
+has in its cache while drafting), one length bucket per batch, buckets drawn in
+proportion to their answer positions; validation over whole sequences."""
+
+import numpy as np
+
+from specjax.training import eagle_train
+
+D = 4
+# (length, prompt length): buckets 64, 64, 128, 256, 256
+SHAPES = [(30, 10), (50, 20), (100, 5), (200, 100), (256, 250)]
+
+
+def _pool():
+  rng = np.random.default_rng(0)
+  tokens = [np.arange(n, dtype=np.int32) + 1000 * i for i, (n, _) in enumerate(SHAPES)]
+  final = [rng.standard_normal((n, D)).astype(np.float32) for n, _ in SHAPES]
+  return eagle_train.SeqPool(tokens, final, [None] * len(SHAPES), [p for _, p in SHAPES])
+
+
+def test_sequence_batches_hold_whole_sequences_from_position_zero():
+  pool = _pool()
+  assert [pool.width(i) for i in range(len(SHAPES))] == [64, 64, 128, 256, 256]
+  rng = np.random.default_rng(1)
+  seen = set()
+  for _ in range(40):
+    b = pool.sequence_batch(rng, 256)
+    rows, w = b["tokens"].shape
+    assert w in (64, 128, 256) and rows == 256 // w
+    for r in range(rows):
+      i = int(b["tokens"][r, 0]) // 1000  # x_1 of sequence i is 1000 i + 1
+      n, plen = SHAPES[i]
+      seen.add(i)
+      assert pool.width(i) == w
+      j = np.arange(w)
+      np.testing.assert_array_equal(b["positions"][r], j)
+      np.testing.assert_array_equal(b["in_seq"][r], (j + 1 < n).astype(np.float32))
+      np.testing.assert_array_equal(b["tokens"][r, :n - 1], pool.tokens[i][1:])
+      np.testing.assert_array_equal(b["g"][r, :n - 1], pool.final[i][:n - 1])
+      np.testing.assert_array_equal(b["f_next"][r, :n - 1], pool.final[i][1:])
+      # the loss is on answer labels only; the prompt is attended to, not scored
+      np.testing.assert_array_equal(b["answer"][r], ((j + 1 < n) & (j + 2 >= plen)))
+  assert seen == set(range(len(SHAPES)))
+
+
+def test_buckets_are_drawn_in_proportion_to_their_answer_positions():
+  pool = _pool()
+  answers = {64: (30 - 9 - 1) + (50 - 19 - 1), 128: 100 - 4 - 1, 256: (200 - 99 - 1) + (256 - 249 - 1)}
+  total = sum(answers.values())
+  rng = np.random.default_rng(2)
+  widths = [pool.sequence_batch(rng, 64)["tokens"].shape[1] for _ in range(3000)]
+  for w, a in answers.items():  # 3000 draws: the standard error is below 0.01
+    assert abs(widths.count(w) / 3000 - a / total) < 0.04, (w, widths.count(w), a / total)
+
+
+def test_validation_sequences_are_whole_and_in_order():
+  pool = _pool()
+  wins = pool.eval_sequences()
+  assert len(wins) == len(SHAPES)
+  for i, (w, (n, plen)) in enumerate(zip(wins, SHAPES)):
+    assert len(w["tokens"]) == pool.width(i)
+    np.testing.assert_array_equal(w["positions"], np.arange(pool.width(i)))
+    assert w["answer"].sum() == n - 1 - max(plen - 2, 0)  # labels x_plen .. x_{n-1}
+  assert len(pool.eval_sequences(2)) == 2
