@@ -24,7 +24,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def get_config(arg=None, method="eagle"):
   # The fields (specjax.training.settings.TrainSettings): the shared ones and
-  # EAGLE's (draft_vocab, ttt_steps, w_reg, w_cls, noise, decay, context,
+  # EAGLE's (draft_vocab, ttt_steps, w_reg, w_cls, noise, decay, teacher_top_k, context,
   # batch_tokens, window, batch_windows, eval_k, valid_max_windows): whole
   # sequences from position 0 by default. EAGLE-3 unrolls 3 steps (the
   # training-time test) with the classification loss at full weight.
@@ -43,7 +43,7 @@ def get_config(arg=None, method="eagle"):
     c.update(dict(draft_vocab=8192, workdir=f"/tmp/specjax_train/{method}_v8k", export=shipped))
   elif arg == "tiny_reduced":
     c = get_config("tiny", method)
-    c.draft_vocab = 32
+    c.draft_vocab, c.teacher_top_k = 32, 16
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
                      "(known: tiny, reduced, tiny_reduced)")

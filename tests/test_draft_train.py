@@ -194,22 +194,3 @@ def test_hf_export_writes_the_full_model_and_runs_the_same(trained, tiny_target,
   with pytest.raises(FileExistsError, match="non-empty directory"):
     draft_train.export_hf(str(c.export), m, str(out))
   assert load_model(str(out)).cfg.num_layers == c.draft_layers
-
-
-def test_feature_pool_cache_roundtrip(tiny_target, tmp_path):
-  from specjax.training import eagle_train  # pylint: disable=import-outside-toplevel
-  m = tiny_target
-  seqs = [([5, 9, 3, 17, 4, 8, 2, 7], 3), ([8, 8, 30, 1, 2], 2), ([4, 4, 4, 6, 7, 9, 1], 4)]
-  kw = dict(seq_len=16, taps=(0, 1), batch_size=2, cache_dir=str(tmp_path))
-  a = eagle_train.SeqPool.build(m.params, m.cfg, seqs, **kw)
-  files = list(tmp_path.iterdir())
-  assert len(files) == 1 and files[0].suffix == ".npz"
-  msgs = []
-  b = eagle_train.SeqPool.build(m.params, m.cfg, seqs, progress=msgs.append, **kw)
-  assert msgs and "loaded" in msgs[0]
-  for x, y in zip(a.tokens + a.final + a.taps, b.tokens + b.final + b.taps):
-    np.testing.assert_array_equal(x, y)
-  assert a.plen == b.plen
-  # other data: another file, never a stale hit
-  eagle_train.SeqPool.build(m.params, m.cfg, seqs[:2], **kw)
-  assert len(list(tmp_path.iterdir())) == 2

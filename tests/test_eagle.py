@@ -18,7 +18,7 @@ from specjax.drafters import eagle, eagle_tree
 from specjax.drafters.base import Context, Target
 from specjax.models import cache as cache_lib
 from specjax.io import checkpoints
-from specjax.training import eagle_train, loop, run
+from specjax.training import eagle_train, features, loop, run
 from specjax.training.settings import TrainSettings
 
 pytestmark = pytest.mark.slow  # tiny EAGLE / EAGLE-3 training runs (~3 min): the full suite, not the fast tier
@@ -126,8 +126,8 @@ def test_training_unroll_is_what_drafting_computes(trained, tiny_target):
   rng = np.random.default_rng(0)
   toks = rng.integers(3, cfg.vocab_size, size=(1, t + 1)).astype(np.int32)
   taps = eagle.eagle3_layers(cfg)
-  feats = eagle_train._features(  # pylint: disable=protected-access
-      m.params, cfg, jnp.asarray(toks), taps)
+  feats, _, _ = features._forward(  # pylint: disable=protected-access
+      m.params, cfg, jnp.asarray(toks), taps, 0)
   d = cfg.dim
   batch = {"g": feats[:, :t, :-d], "tokens": jnp.asarray(toks[:, 1:t + 1]),
            "positions": jnp.arange(t, dtype=jnp.int32)[None]}

@@ -45,17 +45,7 @@ from specjax.drafters import eagle
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "taps"))
-def _features(params, cfg, tokens, taps):
-  b, t = tokens.shape
-  cache = cache_lib.init_cache(cfg, b, t)
-  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  layers = tuple(taps) + (cfg.num_layers,) if taps else ()
-  _, hidden, _ = transformer.forward(params, cfg, tokens, pos, cache, compute_logits=False,
-                                     hidden_layers=layers)
-  return hidden
+from specjax.training import features as features_lib
 
 
 # Length buckets of whole-sequence batches (a compiled step shape each).
@@ -65,8 +55,9 @@ BUCKETS = (64, 128, 256, 512, 1024)
 class SeqPool:
   """Per-sequence target features: tokens, final normed hidden f, taps."""
 
-  def __init__(self, tokens, final, taps, plen):
+  def __init__(self, tokens, final, taps, plen, top_ids=None, top_p=None):
     self.tokens, self.final, self.taps, self.plen = tokens, final, taps, plen
+    self.top_ids, self.top_p = top_ids, top_p  # the teacher's top-K per position, or None
     self._by_width: Optional[Dict[int, List[int]]] = None
 
   def __len__(self):
@@ -76,82 +67,30 @@ class SeqPool:
   def num_positions(self) -> int:
     return int(sum(max(len(t) - max(p - 1, 0) - 1, 0) for t, p in zip(self.tokens, self.plen)))
 
-  def save(self, path: str) -> None:
-    """One .npz (concatenated arrays + offsets), written atomically."""
-    import os  # pylint: disable=import-outside-toplevel
-    lens = np.asarray([len(t) for t in self.tokens], np.int64)
-    arrays = {"lens": lens, "plen": np.asarray(self.plen, np.int64),
-              "tokens": np.concatenate(self.tokens) if self.tokens else np.zeros(0, np.int32),
-              "final": (np.concatenate(self.final) if self.final
-                        else np.zeros((0, 1), np.float32))}
-    if self.taps and self.taps[0] is not None:
-      arrays["taps"] = np.concatenate(self.taps)
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
-
-  @classmethod
-  def load(cls, path: str) -> "SeqPool":
-    with np.load(path) as z:
-      lens, cuts = z["lens"], np.cumsum(z["lens"])[:-1]
-      tokens = np.split(z["tokens"], cuts)
-      final = np.split(z["final"], cuts)
-      taps = np.split(z["taps"], cuts) if "taps" in z.files else [None] * len(lens)
-      return cls(tokens, final, taps, [int(x) for x in z["plen"]])
-
   @classmethod
   def build(cls, params, cfg, sequences: Sequence[Tuple[List[int], int]], *, seq_len: int,
-            taps: Tuple[int, ...] = (), batch_size: int = 4, progress=None,
+            taps: Tuple[int, ...] = (), top_k: int = 0, batch_size: int = 4, progress=None,
             cache_dir: Optional[str] = None) -> "SeqPool":
-    """The target's features of `sequences`. With `cache_dir`, a pool computed
-    before for the same target (fingerprint), sequences, seq_len and taps is
-    loaded from there instead (features cost ~3 training steps per batch;
-    every run over the same data reuses them)."""
-    if cache_dir:
-      import hashlib, json, os  # pylint: disable=import-outside-toplevel,multiple-imports
-      from specjax.io import checkpoints  # pylint: disable=import-outside-toplevel
-      h = hashlib.sha1(json.dumps([checkpoints.target_fingerprint(params, cfg), cfg.dtype,
-                                   seq_len, list(taps)]).encode())
-      for ids, plen in sequences:
-        h.update(np.asarray(list(ids) + [-1, plen, -2], np.int64).tobytes())
-      path = os.path.join(cache_dir, f"features-{h.hexdigest()[:20]}.npz")
-      if os.path.exists(path):
-        if progress:
-          progress(f"features: loaded {path}")
-        return cls.load(path)
-      pool = cls.build(params, cfg, sequences, seq_len=seq_len, taps=taps,
-                       batch_size=batch_size, progress=progress)
-      os.makedirs(cache_dir, exist_ok=True)
-      pool.save(path)
-      return pool
-    toks_l, final_l, taps_l, plen_l = [], [], [], []
-    d = cfg.dim
-    # Similar lengths together, each batch padded to a multiple of 64 (a few
-    # compiled shapes, little padding); the pool keeps the given order.
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
-    feats = {}
-    for s in range(0, len(order), batch_size):
-      idx = order[s:s + batch_size]
-      chunk = [sequences[i] for i in idx]
-      width = min(seq_len, cache_lib.round_up(max(len(ids) for ids, _ in chunk), 64))
-      toks = np.full((batch_size, width), cfg.pad_id, np.int32)
-      for i, (ids, _) in enumerate(chunk):
-        ids = ids[:seq_len]
-        toks[i, :len(ids)] = ids
-      hid = np.asarray(_features(params, cfg, jnp.asarray(toks), tuple(taps)), np.float32)
-      for j, (i, (ids, plen)) in enumerate(zip(idx, chunk)):
-        n = min(len(ids), seq_len)
-        if n >= 3 and plen < n:
-          feats[i] = (hid[j, :n].copy(), ids[:n], plen)
-      if progress:
-        progress(f"features: {min(s + batch_size, len(sequences))}/{len(sequences)} sequences")
-    for i in sorted(feats):
-      h, ids, plen = feats[i]
-      toks_l.append(np.asarray(ids, np.int32))
-      final_l.append(h[:, -d:])
-      taps_l.append(h[:, :-d] if taps else None)
-      plen_l.append(int(plen))
-    return cls(toks_l, final_l, taps_l, plen_l)
+    """The target's features of `sequences` (`specjax.training.features`:
+    with `cache_dir`, shards computed before for the same target and data are
+    read from there, memory-mapped); `top_k` > 0 adds the teacher's top-K
+    distribution at every position."""
+    f = features_lib.build(params, cfg, sequences, seq_len=seq_len, taps=taps, top_k=top_k,
+                           batch_size=batch_size, cache_dir=cache_dir, progress=progress)
+    return cls(f["tokens"], f["final"], f["taps"], f["plen"],
+               top_ids=f["top_ids"] if top_k else None, top_p=f["top_p"] if top_k else None)
+
+  def covered_mass(self) -> float:
+    """Mean probability mass of the stored top-K teacher distributions over
+    the answer positions' labels (1.0 without them: the full distribution)."""
+    if self.top_p is None:
+      return 1.0
+    total, n = 0.0, 0
+    for i in range(len(self)):
+      lo = max(self.plen[i] - 1, 1)  # p_j for labels x_{j+1}, j + 1 >= plen
+      mass = np.asarray(self.top_p[i][lo:], np.float64).sum(-1)
+      total, n = total + mass.sum(), n + len(mass)
+    return total / max(n, 1)
 
   def window(self, i: int, start: int, t: int) -> dict:
     """Window of positions start .. start + t - 1 of sequence i (padded)."""
@@ -161,13 +100,16 @@ class SeqPool:
     ok_in = j + 1 < n  # the pair (g_j, x_{j+1}) exists and f_{j+1} is known
     jc = np.minimum(j, n - 1)
     j1 = np.minimum(j + 1, n - 1)
-    g = (tp if tp is not None else f)[jc]
+    g = np.asarray((tp if tp is not None else f)[jc], np.float32)
     return {
         "g": np.where(ok_in[:, None], g, 0).astype(np.float32),
         "tokens": np.where(ok_in, tok[j1], 0).astype(np.int32),  # x_{j+1}
-        "f_next": np.where(ok_in[:, None], f[j1], 0).astype(np.float32),  # f_{j+1}
+        "f_next": np.where(ok_in[:, None], np.asarray(f[j1], np.float32), 0),  # f_{j+1}
         "positions": j.astype(np.int32),
         "in_seq": ok_in.astype(np.float32),
+        **({} if self.top_ids is None else {  # p_{j+1}'s top-K (the label's distribution)
+            "p_ids": np.where(ok_in[:, None], self.top_ids[i][j1], 0).astype(np.int32),
+            "p_top": np.where(ok_in[:, None], self.top_p[i][j1], 0).astype(np.float32)}),
         # the label x_{j+2} ~ p_{j+1} is an answer token
         "answer": (ok_in & (j + 2 >= plen)).astype(np.float32),
         "d": d,
@@ -311,15 +253,38 @@ def target_probs(target_params, cfg, f_next, vocab=None):
   return p if vocab is None else jnp.take(p, vocab, axis=-1), p
 
 
+def teacher_from_top_k(ids, probs, vocab, vocab_size: int) -> jax.Array:
+  """Dense teacher distributions (..., Vd) over the draft vocabulary (all
+  tokens when `vocab` is None) from top-K ids / probabilities (..., K); the
+  mass outside the top K, or outside the draft vocabulary, is dropped, as
+  `target_probs`' reduced distributions drop the latter."""
+  if vocab is None:
+    col, size = ids, vocab_size
+  else:
+    where = jnp.full((vocab_size,), -1, jnp.int32).at[vocab].set(
+        jnp.arange(vocab.shape[0], dtype=jnp.int32))
+    col, size = where[ids], vocab.shape[0]
+  lead = ids.shape[:-1]
+  dense = jnp.zeros((int(np.prod(lead)), size), jnp.float32)
+  rows = jnp.arange(dense.shape[0])[:, None]
+  flat_col = col.reshape(-1, ids.shape[-1])
+  flat_p = jnp.where(flat_col >= 0, probs.reshape(flat_col.shape), 0.0)
+  dense = dense.at[rows, jnp.maximum(flat_col, 0)].add(flat_p)
+  return dense.reshape(lead + (size,))
+
+
 def loss_fn(head, target_params, cfg, batch, vocab, noise, *, steps: int, w_reg: float,
             w_cls: float, decay: float):
   lm_w = eagle.head_weights(dict(head, **({} if vocab is None else {"vocab": vocab})),
                             target_params, cfg)
   outs = unroll(head, target_params, cfg, batch, steps, noise)
-  p_sub, p = target_probs(target_params, cfg, batch["f_next"], vocab)
-  p = jax.lax.stop_gradient(p)
+  if "p_ids" in batch:  # the stored top-K teacher distributions: no LM head here
+    p_sub = teacher_from_top_k(batch["p_ids"], batch["p_top"], vocab, cfg.vocab_size)
+    target_tok = batch["p_ids"][..., 0]
+  else:
+    p_sub, p = target_probs(target_params, cfg, batch["f_next"], vocab)
+    target_tok = jnp.argmax(jax.lax.stop_gradient(p), -1)
   p_sub = jax.lax.stop_gradient(p_sub)
-  target_tok = jnp.argmax(p, -1)
   total, metrics = 0.0, {}
   tpos = jnp.arange(batch["tokens"].shape[1])
   for s, a in enumerate(outs):

@@ -184,12 +184,15 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
   t0 = time.perf_counter()
   pool, vpool = _pools("features", lambda: (
       eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len, taps=taps,
-                                batch_size=c.feature_batch, progress=progress,
-                                cache_dir=_feature_cache(c)),
+                                top_k=c.teacher_top_k, batch_size=c.feature_batch,
+                                progress=progress, cache_dir=_feature_cache(c)),
       eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len, taps=taps,
-                                batch_size=c.feature_batch, cache_dir=_feature_cache(c))))
+                                top_k=c.teacher_top_k, batch_size=c.feature_batch,
+                                cache_dir=_feature_cache(c))))
+  covered = vpool.covered_mass()
   progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
-           f"{time.perf_counter() - t0:.0f}s")
+           f"{time.perf_counter() - t0:.0f}s; teacher top-{c.teacher_top_k or 'all'} "
+           f"covers {covered:.4f} of the validation labels' mass")
   vocab = _reduced_vocab(c, cfg, train_seqs, progress)
   head0 = eagle.init_head(jax.random.key(c.seed), cfg, fused=fused)
   opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
@@ -224,7 +227,8 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
 
   result = _train(c, head0, opt, step_fn, batch_fn, eval_fn, progress, stop_after)
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
-         "valid_windows": len(windows), "wall_s": time.perf_counter() - t_start}
+         "valid_windows": len(windows), "teacher_covered_mass": covered,
+         "wall_s": time.perf_counter() - t_start}
   if result.step < c.steps or not distributed.is_primary():
     return out  # stopped early, or not the process that exports
   best, best_step = loop.best_params(c.workdir, head0)
@@ -242,7 +246,8 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
                 model.params, cfg),
             "config": c.config(), "train_steps": c.steps, "best_step": best_step,
             "train_positions": pool.num_positions, "valid_windows": len(windows),
-            "estimated": final_eval, "wall_s": round(time.perf_counter() - t_start, 1)}
+            "teacher_covered_mass": covered, "estimated": final_eval,
+            "wall_s": round(time.perf_counter() - t_start, 1)}
     checkpoints.save_drafter(c.export, params, card)
     out["export"] = c.export
     progress(f"exported {c.export}")

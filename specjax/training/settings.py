@@ -71,6 +71,10 @@ class TrainSettings(RunSettings):
   # 'sequence': whole sequences from position 0 (prompt + answer, one length
   # bucket per batch, batch_tokens positions), the prefix drafting sees;
   # 'window': random `window`-position windows near the answer, batch_windows a batch
+  # the teacher's labels: 0 = the full distribution (the LM head at every
+  # step); K = its top K per position, stored with the features (the mean
+  # covered mass on validation is reported)
+  teacher_top_k: int = 0
   context: str = "sequence"
   batch_tokens: int = 1024
   window: int = 128
@@ -101,8 +105,8 @@ class TrainSettings(RunSettings):
     return {name: getattr(self, name) for name in self.config_fields(self.method)}
 
 
-_EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "decay", "context",
-          "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows")
+_EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "decay", "teacher_top_k",
+          "context", "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows")
 # each method's own fields (the others of its config are shared)
 METHOD_FIELDS = {
     "medusa": ("num_heads", "decay", "batch_positions", "valid_max_positions"),
