@@ -45,7 +45,8 @@ def test_sequence_batches_hold_whole_sequences_from_position_zero():
 
 def test_buckets_are_drawn_in_proportion_to_their_answer_positions():
   pool = _pool()
-  answers = {64: (30 - 9 - 1) + (50 - 19 - 1), 128: 100 - 4 - 1, 256: (200 - 99 - 1) + (256 - 249 - 1)}
+  answers = {64: (30 - 9 - 1) + (50 - 19 - 1), 128: 100 - 4 - 1,
+             256: (200 - 99 - 1) + (256 - 249 - 1)}
   total = sum(answers.values())
   rng = np.random.default_rng(2)
   widths = [pool.sequence_batch(rng, 64)["tokens"].shape[1] for _ in range(3000)]

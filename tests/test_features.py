@@ -27,7 +27,8 @@ KW = dict(seq_len=16, taps=(0, 1), batch_size=2)
 def _full_probs(tok):
   """softmax(logits) at every position of (1, 16) padded tokens, by a plain forward."""
   cache = cache_lib.init_cache(CFG, 1, 16)
-  logits, _, _ = transformer.forward(PARAMS, CFG, tok, transformer.chain_positions(cache, 16), cache)
+  pos = transformer.chain_positions(cache, 16)
+  logits, _, _ = transformer.forward(PARAMS, CFG, tok, pos, cache)
   return jax.nn.softmax(logits[0].astype(jnp.float32), -1)
 
 
