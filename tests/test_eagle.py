@@ -2,6 +2,7 @@
 checkpoints, greedy identity, the training-time unroll against real drafting,
 and the state-equivalence of the head after rejections and all-accept rounds."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -69,6 +70,27 @@ def test_tiny_training_lowers_the_loss_and_exports(trained, tiny_target, name):
     assert params["vocab"].shape == (c.draft_vocab,)
     assert params["lm_rows"].shape == (c.draft_vocab, tiny_target.cfg.dim)
     assert card["draft_vocab"] == c.draft_vocab
+
+
+def test_warm_start_reads_an_exported_head(trained, tiny_target):
+  """init_from: a run continues from an exported head (grown data); a head of
+  another method or shape is refused."""
+  c, _ = trained[0]["eagle3"]
+  init = eagle.init_head(jax.random.key(5), tiny_target.cfg, fused=True)
+  warm = run._warm_start(dataclasses.replace(c, init_from=str(c.export)), tiny_target, init,  # pylint: disable=protected-access
+                         lambda s: None)
+  stored, _ = checkpoints.load_drafter(c.export, tiny_target.params, tiny_target.cfg,
+                                       method="eagle3")
+  for a, b in zip(jax.tree.leaves(warm), jax.tree.leaves({k: stored[k] for k in init})):
+    np.testing.assert_array_equal(a, b)
+  assert run._warm_start(c, tiny_target, init, None) is init  # pylint: disable=protected-access
+  with pytest.raises(checkpoints.CheckpointError, match="not 'eagle'"):
+    run._warm_start(dataclasses.replace(c, method="eagle", init_from=str(c.export)),  # pylint: disable=protected-access
+                    tiny_target, init, lambda s: None)
+  other = eagle.init_head(jax.random.key(5), tiny_target.cfg, fused=False)
+  with pytest.raises(ValueError, match="lacks|other shapes"):
+    run._warm_start(dataclasses.replace(c, init_from=str(c.export)), tiny_target,  # pylint: disable=protected-access
+                    dict(other, extra=jnp.zeros(3)), lambda s: None)
 
 
 def test_killed_eagle3_run_resumes_to_identical_parameters(trained, load_config):

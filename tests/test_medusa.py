@@ -22,11 +22,11 @@ SHIPPED = os.path.join(REPO, "specjax", "checkpoints", "smollm2-135m")
 # Each training config's choices over the dataclass's defaults (per method).
 OVERRIDES = {
     "medusa.py": dict(method="medusa", export=os.path.join(SHIPPED, "medusa")),
-    "eagle.py": dict(method="eagle", gen_batch_size=16, steps=2000, warmup=100,
+    "eagle.py": dict(method="eagle", gen_batch_size=16, steps=2000, warmup=100, teacher_top_k=128,
                      workdir="/tmp/specjax_train/eagle",
                      export=os.path.join(SHIPPED, "eagle_full")),
     "eagle3.py": dict(method="eagle3", gen_batch_size=16, steps=2000, warmup=100, ttt_steps=3,
-                      w_cls=1.0, workdir="/tmp/specjax_train/eagle3",
+                      w_cls=1.0, teacher_top_k=128, workdir="/tmp/specjax_train/eagle3",
                       export=os.path.join(SHIPPED, "eagle3_full")),
     "draft_model.py": dict(method="draft_model", steps=1000, lr=5e-4, draft_vocab=8192,
                            workdir="/tmp/specjax_train/draft_model",

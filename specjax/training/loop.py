@@ -43,13 +43,15 @@ class TrainResult:
   step: int
   best_metric: Optional[float]
   history: list
+  early_stopped: bool = False  # `patience` evaluations without a new best
 
 
 def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch_fn: Callable,
           num_steps: int, eval_fn: Optional[Callable] = None, eval_every: int = 100,
           save_every: int = 100, best_metric: str = "tau", log_every: int = 10,
           progress: Optional[Callable[[str], None]] = None,
-          stop_after: Optional[int] = None, key: Optional[jax.Array] = None) -> TrainResult:
+          stop_after: Optional[int] = None, key: Optional[jax.Array] = None,
+          patience: int = 0) -> TrainResult:
   """Run (or resume) training in `workdir`.
 
   step_fn(params, opt_state, batch) -> (params, opt_state, metrics dict)  (jitted)
@@ -59,6 +61,9 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
   stop_after: stop (as if killed) after this many steps of this call -- tests.
   key: the run's PRNG key (the one batch_fn derives its per-step keys from),
   stored in the checkpoint so that a resume with another key is refused.
+  patience: > 0 stops early once that many evaluations in a row brought no
+  new best `best_metric` (the state is saved there; a resumed run that had
+  stopped stays stopped).
   """
   # In a multi-process job (step_fn from distributed.data_parallel_step) every
   # process runs this loop in lockstep; process 0 alone writes checkpoints,
@@ -101,7 +106,12 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
   best = max((h[best_metric] for h in history if best_metric in h), default=None)
   t0, tokens_seen, ran = time.perf_counter(), 0, 0
   acc = {}
+  stopped = _no_improvement(history, best_metric, patience)
+  if stopped:
+    progress(f"early-stopped before step {start}: {patience} evaluations without a new best")
   for step in range(start + 1, num_steps + 1):
+    if stopped:
+      break
     batch = batch_fn(step)
     params, opt_state, m = step_fn(params, opt_state, batch)
     ran += 1
@@ -131,7 +141,11 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
       history.append(row)
       if primary:
         jsonl.append(log_path, [row])
-    if primary and (step % save_every == 0 or step == num_steps):
+    stopped = _no_improvement(history, best_metric, patience)
+    if stopped:
+      progress(f"early stop at step {step}: {patience} evaluations without a new best "
+               f"{best_metric} (best {best:.4g})")
+    if primary and (step % save_every == 0 or step == num_steps or stopped):
       state_store.save(step, _train_state(host(params), host(opt_state), step, key_data,
                                           batch_fn))
     if stop_after is not None and ran >= stop_after:
@@ -143,7 +157,19 @@ def train(*, workdir: str, init_params: Any, optimizer, step_fn: Callable, batch
   final_step = start + ran
   if history and primary:
     plot_curves(history, os.path.join(workdir, "curves.png"))
-  return TrainResult(params=host(params), step=final_step, best_metric=best, history=history)
+  return TrainResult(params=host(params), step=final_step, best_metric=best, history=history,
+                     early_stopped=stopped)
+
+
+def _no_improvement(history, metric: str, patience: int) -> bool:
+  """Whether the last `patience` evaluations in `history` brought no new best."""
+  if patience <= 0:
+    return False
+  evals = [h[metric] for h in history if metric in h]
+  if not evals:
+    return False
+  best_at = int(np.argmax(evals))  # the first best
+  return len(evals) - 1 - best_at >= patience
 
 
 def _key_data(key) -> np.ndarray:

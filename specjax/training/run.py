@@ -5,6 +5,7 @@ checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Callable, Optional
@@ -58,6 +59,9 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   `TrainSettings.of(config)` reads a training config)."""
   require(c, TrainSettings, "training.run.run")
   TrainSettings.config_fields(c.method)  # an unknown method: ValueError before any work
+  if c.epochs and c.method not in ("eagle", "eagle3"):
+    raise ValueError(f"epochs is implemented for eagle / eagle3 runs, not {c.method!r}: "
+                     "set steps")
   progress = progress or (lambda s: print(s, flush=True))
   t_start = time.perf_counter()
   model = _target(c)
@@ -100,7 +104,8 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   progress(f"features: {len(pool)} train / {len(vpool)} valid positions in "
            f"{time.perf_counter() - t0:.0f}s")
   # 3. training
-  heads0 = medusa.init_heads(jax.random.key(c.seed), c.num_heads, model.cfg.dim)
+  heads0 = _warm_start(c, model, medusa.init_heads(jax.random.key(c.seed), c.num_heads,
+                                                   model.cfg.dim), progress)
   opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
   step_target, dp = _data_parallel(model)
   step_fn = dp(medusa_train.make_step(opt, step_target, model.cfg, c.decay))
@@ -121,7 +126,7 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   result = _train(c, heads0, opt, step_fn, batch_fn, eval_fn, progress, stop_after)
   out = {"step": result.step, "workdir": c.workdir, "train_positions": len(pool),
          "valid_positions": len(vsub), "wall_s": time.perf_counter() - t_start}
-  if result.step < c.steps or not distributed.is_primary():
+  if not _finished(c, result) or not distributed.is_primary():
     return out  # stopped early (killed / stop_after): nothing to export yet; or not process 0
   best, best_step = loop.best_params(c.workdir, heads0)
   best = best if best is not None else result.params
@@ -165,7 +170,41 @@ def _train(c: TrainSettings, init_params, opt, step_fn, batch_fn, eval_fn, progr
                     batch_fn=batch_fn, num_steps=c.steps, eval_fn=eval_fn,
                     eval_every=c.eval_every, save_every=c.save_every, best_metric="tau",
                     log_every=c.log_every, progress=progress, stop_after=stop_after,
-                    key=jax.random.key(c.seed))
+                    key=jax.random.key(c.seed), patience=c.patience)
+
+
+def _finished(c: TrainSettings, result) -> bool:
+  """Ran to the end (all steps, or an early stop); a killed run has not."""
+  return result.step >= c.steps or result.early_stopped
+
+
+def _warm_start(c: TrainSettings, model: Model, init, progress):
+  """`init`, or the parameters of the checkpoint `c.init_from` (same method,
+  same target; the entries `init` has, in its dtypes)."""
+  if not c.init_from:
+    return init
+  params, card = checkpoints.load_drafter(c.init_from, model.params, model.cfg, method=c.method)
+  missing = sorted(set(init) - set(params))
+  if missing:
+    raise ValueError(f"init_from={c.init_from!r} lacks {missing} of a {c.method} drafter")
+  sub = {k: params[k] for k in init}
+  if jax.tree.structure(sub) != jax.tree.structure(init) or any(
+      a.shape != b.shape for a, b in zip(jax.tree.leaves(sub), jax.tree.leaves(init))):
+    raise ValueError(f"init_from={c.init_from!r}: its {c.method} parameters have other "
+                     "shapes than this run's (another head size or vocabulary?)")
+  progress(f"warm start from {c.init_from} (trained {card.get('train_steps')} steps, "
+           f"{card.get('train_positions')} positions)")
+  return jax.tree.map(lambda a, b: jnp.asarray(b, a.dtype), init, sub)
+
+
+def _epoch_steps(c: TrainSettings, pool, batch_fn) -> TrainSettings:
+  """c with `steps` set from `epochs`: epochs x the training answer positions /
+  the mean answer positions of a batch (from the run's first 16 batches)."""
+  if not c.epochs:
+    return c
+  per_batch = np.mean([float(np.sum(batch_fn(s)["answer"])) for s in range(1, 17)])
+  steps = int(np.ceil(c.epochs * pool.num_positions / max(per_batch, 1.0)))
+  return dataclasses.replace(c, steps=max(steps, 1))
 
 
 def _feature_cache(c: TrainSettings) -> Optional[str]:
@@ -194,13 +233,8 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
            f"{time.perf_counter() - t0:.0f}s; teacher top-{c.teacher_top_k or 'all'} "
            f"covers {covered:.4f} of the validation labels' mass")
   vocab = _reduced_vocab(c, cfg, train_seqs, progress)
-  head0 = eagle.init_head(jax.random.key(c.seed), cfg, fused=fused)
-  opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
-  step_target, dp = _data_parallel(model)
-  step_fn = dp(eagle_train.make_step(opt, step_target, cfg, vocab=vocab, steps=c.ttt_steps,
-                                     w_reg=0.0 if fused else c.w_reg, w_cls=c.w_cls,
-                                     decay=c.decay, noise=0.0 if fused else c.noise))
-
+  head0 = _warm_start(c, model, eagle.init_head(jax.random.key(c.seed), cfg, fused=fused),
+                      progress)
   if c.context not in ("sequence", "window"):
     raise ValueError(f"unknown context {c.context!r} for EAGLE training (known: sequence, "
                      "window)")
@@ -217,6 +251,15 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
     b["key"] = jax.random.key_data(jax.random.fold_in(jax.random.key(c.seed), step))
     return b
 
+  c = _epoch_steps(c, pool, batch_fn)
+  if c.epochs:
+    progress(f"{c.epochs} epochs over {pool.num_positions} answer positions: {c.steps} steps")
+  opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
+  step_target, dp = _data_parallel(model)
+  step_fn = dp(eagle_train.make_step(opt, step_target, cfg, vocab=vocab, steps=c.ttt_steps,
+                                     w_reg=0.0 if fused else c.w_reg, w_cls=c.w_cls,
+                                     decay=c.decay, noise=0.0 if fused else c.noise))
+
   if c.context == "sequence":
     windows = vpool.eval_sequences(c.valid_max_windows or None)
   else:
@@ -228,8 +271,8 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
   result = _train(c, head0, opt, step_fn, batch_fn, eval_fn, progress, stop_after)
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_windows": len(windows), "teacher_covered_mass": covered,
-         "wall_s": time.perf_counter() - t_start}
-  if result.step < c.steps or not distributed.is_primary():
+         "early_stopped": result.early_stopped, "wall_s": time.perf_counter() - t_start}
+  if not _finished(c, result) or not distributed.is_primary():
     return out  # stopped early, or not the process that exports
   best, best_step = loop.best_params(c.workdir, head0)
   best = best if best is not None else result.params
@@ -244,7 +287,8 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
             "draft_vocab": 0 if vocab is None else int(len(vocab)),
             "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(
                 model.params, cfg),
-            "config": c.config(), "train_steps": c.steps, "best_step": best_step,
+            "config": c.config(), "train_steps": result.step, "best_step": best_step,
+            "init_from": c.init_from or None,
             "train_positions": pool.num_positions, "valid_windows": len(windows),
             "teacher_covered_mass": covered, "estimated": final_eval,
             "wall_s": round(time.perf_counter() - t_start, 1)}
@@ -281,7 +325,8 @@ def _run_draft_model(c: TrainSettings, model: Model, train_seqs, valid_seqs, pro
   progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
            f"{time.perf_counter() - t0:.0f}s")
   vocab = _reduced_vocab(c, cfg, train_seqs, progress)
-  student0 = draft_train.init_student(model.params, cfg, init_layers)
+  student0 = _warm_start(c, model, draft_train.init_student(model.params, cfg, init_layers),
+                         progress)
   opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
   step_target, dp = _data_parallel(model)
   step_fn = dp(draft_train.make_step(opt, step_target, cfg, scfg, vocab=vocab, loss=c.loss))
@@ -300,7 +345,7 @@ def _run_draft_model(c: TrainSettings, model: Model, train_seqs, valid_seqs, pro
   result = _train(c, student0, opt, step_fn, batch_fn, eval_fn, progress, stop_after)
   out = {"step": result.step, "workdir": c.workdir, "train_positions": pool.num_positions,
          "valid_positions": vpool.num_positions, "wall_s": time.perf_counter() - t_start}
-  if result.step < c.steps or not distributed.is_primary():
+  if not _finished(c, result) or not distributed.is_primary():
     return out  # stopped early, or not the process that exports
   best, best_step = loop.best_params(c.workdir, student0)
   best = best if best is not None else result.params

@@ -48,6 +48,14 @@ class TrainSettings(RunSettings):
   warmup: int = 50
   weight_decay: float = 0.0
   clip: float = 1.0
+  # > 0: train this many epochs over the training answer positions instead of
+  # `steps` (EAGLE / EAGLE-3)
+  epochs: float = 0.0
+  # > 0: stop once this many evaluations in a row brought no new best tau
+  patience: int = 0
+  # an exported checkpoint of the same method and target to start from (a run
+  # that continues on grown data); '' = a fresh initialisation
+  init_from: str = ""
   eval_every: int = 250
   save_every: int = 250
   log_every: int = 25
