@@ -64,3 +64,25 @@ def test_reference_answers(smollm2):
     reference = distill_data.REFERENCE_FIELD[name](data[int(i)]).strip()
     text = tok.decode(r["answer"][:-1]).strip()
     assert reference.startswith(text[:60]), (text[:60], reference[:60])
+
+
+def test_select_holds_out_a_stratified_set_and_nests_training_prefixes():
+  recs = [{"id": f"{src}/{i}", "split": distill_data.split_of(f"{src}/{i}", 0.05),
+           "prompt": [1, 2], "answer": [3] * (5 + i % 7)}
+          for i in range(40) for src in ("alpaca", "code_alpaca", "gsm8k_train")]
+  train, valid = distill_data.select(recs, valid_sequences=12)
+  assert len(valid) == 12 and len(train) == len(recs) - 12
+  assert {r["id"].split("/")[0] for r in valid} == {"alpaca", "code_alpaca", "gsm8k_train"}
+  assert all(sum(r["id"].startswith(s) for r in valid) == 4
+             for s in ("alpaca", "code_alpaca", "gsm8k_train"))
+  assert not {r["id"] for r in valid} & {r["id"] for r in train}
+  # nested prefixes with the same validation set
+  small, v1 = distill_data.select(recs, valid_sequences=12, train_positions=50)
+  big, v2 = distill_data.select(recs, valid_sequences=12, train_positions=300)
+  assert v1 == v2 == valid and big[:len(small)] == small
+  assert sum(len(r["answer"]) for r in small) >= 50 > sum(len(r["answer"]) for r in small[:-1])
+  with pytest.raises(ValueError, match="only"):
+    distill_data.select(recs, train_positions=10 ** 6)
+  # the hash split without valid_sequences
+  t, v = distill_data.select(recs)
+  assert all(r["split"] == "valid" for r in v) and all(r["split"] == "train" for r in t)

@@ -241,6 +241,54 @@ def reference_records(tokenizer, *, sources: Sequence[str], num_examples: int, s
   return out
 
 
-def sequences(records: Iterable[dict], split: str) -> List[Tuple[List[int], int]]:
-  """(prompt + answer token ids, prompt length) for the records of `split`."""
-  return [(r["prompt"] + r["answer"], len(r["prompt"])) for r in records if r["split"] == split]
+def sequences(records: Iterable[dict], split: Optional[str] = None) -> List[Tuple[List[int], int]]:
+  """(prompt + answer token ids, prompt length) for the records (of `split`)."""
+  return [(r["prompt"] + r["answer"], len(r["prompt"])) for r in records
+          if split is None or r["split"] == split]
+
+
+def select(records: Sequence[dict], *, valid_sequences: int = 0,
+           train_positions: int = 0) -> Tuple[List[dict], List[dict]]:
+  """(train records, validation records).
+
+  valid_sequences = 0: the records' own hash split. N > 0: a fixed held-out
+  set of N records stratified by source (round-robin over the sources, each in
+  the order of a hash of the ids), the rest for training. train_positions > 0:
+  the training records' shortest prefix (in file order, the sources'
+  interleaved order) holding that many answer tokens, so smaller sets nest in
+  larger ones (a data-scaling curve) and the validation set stays the same.
+  """
+  if valid_sequences:
+    def rank(r):
+      return hashlib.sha1(r["id"].encode()).hexdigest()
+    by_src: Dict[str, List[dict]] = {}
+    for r in sorted(records, key=rank):
+      by_src.setdefault(r["id"].split("/")[0], []).append(r)
+    chosen: List[dict] = []
+    i = 0
+    while len(chosen) < valid_sequences and any(i < len(v) for v in by_src.values()):
+      for src in sorted(by_src):
+        if i < len(by_src[src]) and len(chosen) < valid_sequences:
+          chosen.append(by_src[src][i])
+      i += 1
+    if len(chosen) < valid_sequences or len(chosen) >= len(records):
+      raise ValueError(f"valid_sequences={valid_sequences} leaves no training data "
+                       f"({len(records)} records)")
+    ids = {r["id"] for r in chosen}
+    valid = [r for r in records if r["id"] in ids]
+    train = [r for r in records if r["id"] not in ids]
+  else:
+    valid = [r for r in records if r["split"] == "valid"]
+    train = [r for r in records if r["split"] == "train"]
+  if train_positions:
+    total, cut = 0, len(train)
+    for n, r in enumerate(train):
+      total += len(r["answer"])
+      if total >= train_positions:
+        cut = n + 1
+        break
+    else:
+      raise ValueError(f"train_positions={train_positions}: the data holds only {total} "
+                       "training answer tokens")
+    train = train[:cut]
+  return train, valid

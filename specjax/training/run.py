@@ -88,8 +88,10 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
         skip_ids=[r["id"] for r in records])
     progress(f"data: + {len(ref)} reference answers of the datasets")
     records = records + ref
-  train_seqs = distill_data.sequences(records, "train")
-  valid_seqs = distill_data.sequences(records, "valid") or train_seqs[:2]
+  train_recs, valid_recs = distill_data.select(records, valid_sequences=c.valid_sequences,
+                                               train_positions=c.train_positions)
+  train_seqs = distill_data.sequences(train_recs)
+  valid_seqs = distill_data.sequences(valid_recs) or train_seqs[:2]
   progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")
   if c.method in ("eagle", "eagle3"):
     return _run_eagle(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)

@@ -33,6 +33,12 @@ class TrainSettings(RunSettings):
   sample_fraction: float = 0.25
   valid_fraction: float = 0.05
   data_path: str = ""  # '': workdir/distill.jsonl
+  # > 0: a fixed validation set of this many records, stratified by source
+  # (else the records' hash split by valid_fraction)
+  valid_sequences: int = 0
+  # > 0: train on the shortest prefix of the training records holding this
+  # many answer tokens (nested subsets: a data-scaling curve)
+  train_positions: int = 0
   seed: int = 0
   # + this many datasets' reference answers (teacher-forced through the target:
   # one forward each instead of a generation)
