@@ -280,6 +280,10 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
   best = best if best is not None else result.params
   final_eval = eval_fn(best)
   out.update(best_step=best_step, estimate=final_eval)
+  if c.train_eval_sequences:  # the same estimate on training data: the overfitting gap
+    seen = (pool.eval_sequences(c.train_eval_sequences) if c.context == "sequence" else
+            pool.eval_windows(c.window, c.train_eval_sequences))
+    out["train_estimate"] = eagle_train.estimate(best, model.params, cfg, seen, c.eval_k, vocab)
   if c.export:
     rank = np.lexsort((np.arange(cfg.vocab_size),
                        -eagle_train.token_counts(train_seqs, cfg.vocab_size)))

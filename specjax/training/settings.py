@@ -95,6 +95,7 @@ class TrainSettings(RunSettings):
   batch_windows: int = 4
   eval_k: int = 4  # EAGLE(-3), draft model: the tau estimate's chain length
   valid_max_windows: int = 48  # validation windows ('sequence': whole sequences)
+  train_eval_sequences: int = 0  # > 0: also the final estimate on this many training ones
   # distilled draft model
   draft_layers: int = 4
   init_layers: str = ""  # '' = the target's first draft_layers layers; else e.g. '0,1,2,29'
@@ -120,7 +121,8 @@ class TrainSettings(RunSettings):
 
 
 _EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "decay", "teacher_top_k",
-          "context", "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows")
+          "context", "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows",
+          "train_eval_sequences")
 # each method's own fields (the others of its config are shared)
 METHOD_FIELDS = {
     "medusa": ("num_heads", "decay", "batch_positions", "valid_max_positions"),

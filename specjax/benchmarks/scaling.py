@@ -1,0 +1,172 @@
+"""A data-scaling curve for a trained drafter (EAGLE-3 by default): the same
+recipe trained on nested subsets of the self-distilled data (0.1M, 0.3M, 1M
+answer positions, ...), each to its early stop, then measured.
+
+Per point (size, seed): the teacher-forced estimate of a k-chain on the fixed
+validation set (tau and the per-depth greedy acceptance top1_0..top1_{k-1}),
+the same estimate on training sequences (overfitting shows as the gap), and
+Spec-Bench greedy decoding with the exported head (measured tau per category
+beside the estimate). A log-linear fit tau = a + b ln(positions) of the
+measured overall tau says what more data would buy.
+
+Resumable: each point trains in its own workdir, benchmarks into its own
+directory, and is appended to `out`/points.jsonl when done.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from specjax.benchmarks import specbench
+from specjax.io import jsonl
+from specjax.settings import RunSettings, require
+from specjax.training import distill_data, run as train_run
+from specjax.training.settings import TrainSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingSettings(RunSettings):
+  """A data-scaling run (`experiments/scaling.py`, configs/scaling.py)."""
+
+  data_path: str = ""  # the self-distillation JSONL (experiments/distill.py)
+  sizes: str = "100000,300000,1000000"  # training answer positions per point
+  seeds: int = 2  # seeds per point below `seeds_below` positions (one above)
+  seeds_below: int = 300_000
+  valid_sequences: int = 200  # one held-out set for every point, stratified by source
+  train_eval_sequences: int = 200  # training sequences the train-set estimate reads
+  epochs: float = 20.0  # an upper bound: each point stops early
+  patience: int = 3
+  eval_every: int = 100
+  eval_k: int = 4
+  # Spec-Bench with the exported head: a greedy k-chain
+  bench_k: int = 4
+  bench_prompt_limit: int = 10
+  bench_max_new_tokens: int = 96
+  out: str = "/tmp/specjax_scaling"
+
+
+def points(c: ScalingSettings, available: int) -> List[Dict[str, int]]:
+  """The (positions, seed) points the data can hold (sizes above `available`
+  training answer tokens are left out)."""
+  out = []
+  for size in (int(s) for s in c.sizes.split(",") if s.strip()):
+    if size > available:
+      continue
+    for seed in range(c.seeds if size < c.seeds_below else 1):
+      out.append({"positions": size, "seed": seed})
+  return out
+
+
+def fit(rows: List[dict], key: str = "bench_tau") -> Optional[Dict[str, float]]:
+  """Least-squares tau = a + b ln(positions) over the rows (None below two sizes)."""
+  xs = np.asarray([math.log(r["positions"]) for r in rows], np.float64)
+  ys = np.asarray([r[key] for r in rows], np.float64)
+  if len(set(xs.tolist())) < 2:
+    return None
+  b, a = np.polyfit(xs, ys, 1)
+  return {"a": float(a), "b": float(b), "per_doubling": float(b * math.log(2))}
+
+
+def run_scaling(c: ScalingSettings, train: TrainSettings,
+                progress: Optional[Callable[[str], None]] = None) -> dict:
+  """Train and measure every point of `c`, with the recipe `train` (a
+  TrainSettings; its data fields are set per point)."""
+  require(c, ScalingSettings, "scaling.run_scaling")
+  require(train, TrainSettings, "scaling.run_scaling")
+  progress = progress or (lambda s: print(s, flush=True))
+  if not c.data_path or not os.path.isfile(c.data_path):
+    raise FileNotFoundError(f"data_path={c.data_path!r}: no self-distillation data there "
+                            "(experiments/distill.py writes it)")
+  records = distill_data.read_records(c.data_path)
+  train_recs, _ = distill_data.select(records, valid_sequences=c.valid_sequences)
+  available = sum(len(r["answer"]) for r in train_recs)
+  todo = points(c, available)
+  progress(f"scaling: {available} training answer tokens in {c.data_path}; points "
+           f"{[(p['positions'], p['seed']) for p in todo]}")
+  os.makedirs(c.out, exist_ok=True)
+  log = os.path.join(c.out, "points.jsonl")
+  done = {(r["positions"], r["seed"]) for r in jsonl.read(log)} if os.path.exists(log) else set()
+  for p in todo:
+    if (p["positions"], p["seed"]) in done:
+      continue
+    name = f"{p['positions']}_s{p['seed']}"
+    ts = dataclasses.replace(
+        train, data_path=c.data_path, num_examples=0, valid_sequences=c.valid_sequences,
+        train_positions=p["positions"], seed=p["seed"], epochs=c.epochs, patience=c.patience,
+        eval_every=c.eval_every, save_every=c.eval_every, eval_k=c.eval_k,
+        valid_max_windows=c.valid_sequences, train_eval_sequences=c.train_eval_sequences,
+        workdir=os.path.join(c.out, name), export=os.path.join(c.out, name, "export"))
+    out = train_run.run(ts, progress=progress)
+    bench = specbench.run_benchmark(specbench.BenchmarkSettings(
+        model=train.model, dtype=train.dtype, repeats=1, calibrate=False,
+        methods=f"{train.method}@k={c.bench_k}@checkpoint={ts.export}",
+        prompt_limit=c.bench_prompt_limit, max_new_tokens=c.bench_max_new_tokens,
+        out=os.path.join(c.out, name, "bench")), progress=progress)
+    rows = [r for r in bench["results"] if r["method"] != "ar"]
+    est = out["estimate"]
+    row = {"positions": p["positions"], "seed": p["seed"], "steps": out["step"],
+           "best_step": out["best_step"], "early_stopped": out["early_stopped"],
+           "valid_tau": est["tau"], "train_tau": out["train_estimate"]["tau"],
+           **{f"top1_{s}": est[f"top1_{s}"] for s in range(c.eval_k)},
+           "bench": {r["category"]: {"tau": r["tau"], "alpha": r["alpha"]} for r in rows}}
+    row["bench_tau"] = row["bench"].get(specbench.ALL, {}).get("tau")
+    jsonl.append(log, [row])
+    progress(f"scaling point {name}: valid tau {row['valid_tau']:.3f}, Spec-Bench tau "
+             f"{row['bench_tau']}")
+  return report(c)
+
+
+def report(c: ScalingSettings) -> dict:
+  """`out`/scaling.md (table + fit) and scaling.png from points.jsonl."""
+  log = os.path.join(c.out, "points.jsonl")
+  rows = sorted(jsonl.read(log) if os.path.exists(log) else [],
+                key=lambda r: (r["positions"], r["seed"]))
+  cats = sorted({k for r in rows for k in r["bench"]} - {specbench.ALL})
+  head = (["positions", "seed", "steps (best)", "valid tau (est.)", "train tau (est.)"] +
+          [f"top1 d{s + 1}" for s in range(c.eval_k)] + ["Spec-Bench tau"] + cats)
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    cells = [f"{r['positions']:,}", str(r["seed"]), f"{r['steps']} ({r['best_step']})",
+             f"{r['valid_tau']:.3f}", f"{r['train_tau']:.3f}"]
+    cells += [f"{r[f'top1_{s}']:.3f}" for s in range(c.eval_k)]
+    cells += [f"{r['bench_tau']:.3f}" if r.get("bench_tau") else "-"]
+    cells += [f"{r['bench'][k]['tau']:.3f}" if k in r["bench"] else "-" for k in cats]
+    lines.append("| " + " | ".join(cells) + " |")
+  f = fit([r for r in rows if r.get("bench_tau")])
+  md = "\n".join(lines) + "\n"
+  if f:
+    md += (f"\nLog-linear fit of the measured Spec-Bench tau: tau = {f['a']:.3f} + "
+           f"{f['b']:.3f} ln(positions), {f['per_doubling']:+.3f} per doubling of the data; "
+           f"predicted at 1M: {f['a'] + f['b'] * math.log(1e6):.2f}, at 3M: "
+           f"{f['a'] + f['b'] * math.log(3e6):.2f}, at 10M: "
+           f"{f['a'] + f['b'] * math.log(1e7):.2f}.\n")
+  with open(os.path.join(c.out, "scaling.md"), "w") as fh:
+    fh.write(md)
+  if rows:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("bench_tau", "Spec-Bench tau (measured)"),
+                       ("valid_tau", "validation tau (estimated)"),
+                       ("train_tau", "training tau (estimated)")):
+      pts = [(r["positions"], r[key]) for r in rows if r.get(key)]
+      if pts:
+        ax.plot(*zip(*pts), "o", label=label)
+    if f:
+      xs = np.geomspace(min(r["positions"] for r in rows), 3e6, 50)
+      ax.plot(xs, f["a"] + f["b"] * np.log(xs), "--", label="fit (measured)")
+    ax.set_xscale("log")
+    ax.set_xlabel("training answer positions")
+    ax.set_ylabel(f"tau (k = {c.bench_k} chain, greedy)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(c.out, "scaling.png"), dpi=120)
+    plt.close(fig)
+  return {"rows": rows, "fit": f, "markdown": md}

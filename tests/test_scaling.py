@@ -1,0 +1,53 @@
+"""The data-scaling experiment's bookkeeping (specjax.benchmarks.scaling): the
+points the data can hold, the log-linear fit, the table and plot, its
+settings; the training and benchmark it drives are tested in their own modules."""
+
+import json
+import math
+import os
+
+import pytest
+
+from specjax.benchmarks import scaling
+from specjax.training.settings import TrainSettings
+
+
+def test_points_nest_sizes_the_data_holds_with_seeds_below_the_threshold():
+  c = scaling.ScalingSettings(sizes="100000,300000,1000000", seeds=2, seeds_below=300000)
+  assert scaling.points(c, 350_000) == [{"positions": 100000, "seed": 0},
+                                        {"positions": 100000, "seed": 1},
+                                        {"positions": 300000, "seed": 0}]
+  assert scaling.points(c, 50_000) == []
+
+
+def test_fit_recovers_a_log_linear_law_and_needs_two_sizes():
+  rows = [{"positions": n, "bench_tau": 1.2 + 0.3 * math.log(n)} for n in (1e5, 3e5, 1e6)]
+  f = scaling.fit(rows)
+  assert abs(f["a"] - 1.2) < 1e-9 and abs(f["b"] - 0.3) < 1e-9
+  assert abs(f["per_doubling"] - 0.3 * math.log(2)) < 1e-9
+  assert scaling.fit(rows[:1]) is None
+
+
+def test_report_writes_the_table_fit_and_plot(tmp_path):
+  c = scaling.ScalingSettings(out=str(tmp_path), eval_k=2)
+  rows = [{"positions": n, "seed": 0, "steps": 10, "best_step": 8, "early_stopped": True,
+           "valid_tau": 1.5, "train_tau": 1.9, "top1_0": 0.4, "top1_1": 0.3,
+           "bench": {"all": {"tau": t, "alpha": 0.3}, "qa": {"tau": t - 0.1, "alpha": 0.2}},
+           "bench_tau": t} for n, t in ((100000, 1.4), (300000, 1.6))]
+  with open(tmp_path / "points.jsonl", "w") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in rows))
+  out = scaling.report(c)
+  md = open(tmp_path / "scaling.md").read()
+  assert "| 100,000 | 0 | 10 (8) | 1.500 | 1.900 | 0.400 | 0.300 | 1.400 | 1.300 |" in md
+  assert "per doubling" in md and out["fit"]["b"] > 0
+  assert os.path.getsize(tmp_path / "scaling.png") > 1000
+
+
+def test_settings_and_inputs(load_config, tmp_path):
+  c = load_config("scaling.py")
+  assert scaling.ScalingSettings.of(c) == scaling.ScalingSettings()
+  with pytest.raises(TypeError, match="ScalingSettings"):
+    scaling.run_scaling(c, TrainSettings())
+  with pytest.raises(FileNotFoundError, match="no self-distillation data"):
+    scaling.run_scaling(scaling.ScalingSettings(data_path=str(tmp_path / "none.jsonl")),
+                        TrainSettings())
