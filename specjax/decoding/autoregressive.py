@@ -77,7 +77,11 @@ def sample_rows(keys: jax.Array, logits: jax.Array, sampling: sampling_lib.Sampl
   """One token per row, each row with its own key: (B,) keys, (B, V) logits."""
   if sampling.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return jax.vmap(lambda k, l: sampling_lib.sample(k, l, sampling))(keys, logits)
+  # The probabilities for the whole batch, outside the vmap: under vmap
+  # top-p's candidate-or-sort branch (`sampling.nucleus`) would become a
+  # select that runs the full sort every step.
+  p = sampling_lib.probs(logits, sampling)
+  return jax.vmap(sampling_lib.sample_from_probs)(keys, p)
 
 
 def emit(tokens, num_tokens, done, limit, new, eos_id, pad_id):
