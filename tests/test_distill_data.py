@@ -86,3 +86,9 @@ def test_select_holds_out_a_stratified_set_and_nests_training_prefixes():
   # the hash split without valid_sequences
   t, v = distill_data.select(recs)
   assert all(r["split"] == "valid" for r in v) and all(r["split"] == "train" for r in t)
+  # a validation set fixed by ids (a scaling run's, kept while the data grows)
+  ids = [r["id"] for r in valid]
+  t2, v2 = distill_data.select(recs + [dict(recs[0], id="alpaca/999")], valid_ids=ids)
+  assert v2 == valid and t2[-1]["id"] == "alpaca/999"
+  with pytest.raises(ValueError, match="not in the data"):
+    distill_data.select(recs[:5], valid_ids=ids)

@@ -84,12 +84,24 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
     raise FileNotFoundError(f"data_path={c.data_path!r}: no self-distillation data there "
                             "(experiments/distill.py writes it)")
   records = distill_data.read_records(c.data_path)
-  train_recs, _ = distill_data.select(records, valid_sequences=c.valid_sequences)
+  os.makedirs(c.out, exist_ok=True)
+  # The held-out set is chosen once and kept: a repeated run on grown data
+  # adds points, every one measured on the same validation records.
+  ids_path = os.path.join(c.out, "valid_ids.json")
+  if os.path.exists(ids_path):
+    with open(ids_path) as f:
+      valid_ids = json.load(f)
+  else:
+    valid_ids = [r["id"] for r in distill_data.select(
+        records, valid_sequences=c.valid_sequences)[1]]
+    with open(ids_path + ".tmp", "w") as f:
+      json.dump(valid_ids, f)
+    os.replace(ids_path + ".tmp", ids_path)
+  train_recs, _ = distill_data.select(records, valid_ids=valid_ids)
   available = sum(len(r["answer"]) for r in train_recs)
   todo = points(c, available)
   progress(f"scaling: {available} training answer tokens in {c.data_path}; points "
            f"{[(p['positions'], p['seed']) for p in todo]}")
-  os.makedirs(c.out, exist_ok=True)
   log = os.path.join(c.out, "points.jsonl")
   done = {(r["positions"], r["seed"]) for r in jsonl.read(log)} if os.path.exists(log) else set()
   for p in todo:
@@ -97,7 +109,7 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
       continue
     name = f"{p['positions']}_s{p['seed']}"
     ts = dataclasses.replace(
-        train, data_path=c.data_path, num_examples=0, valid_sequences=c.valid_sequences,
+        train, data_path=c.data_path, num_examples=0, valid_ids_path=ids_path,
         train_positions=p["positions"], seed=p["seed"], epochs=c.epochs, patience=c.patience,
         eval_every=c.eval_every, save_every=c.eval_every, eval_k=c.eval_k,
         valid_max_windows=c.valid_sequences, train_eval_sequences=c.train_eval_sequences,

@@ -247,8 +247,8 @@ def sequences(records: Iterable[dict], split: Optional[str] = None) -> List[Tupl
           if split is None or r["split"] == split]
 
 
-def select(records: Sequence[dict], *, valid_sequences: int = 0,
-           train_positions: int = 0) -> Tuple[List[dict], List[dict]]:
+def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions: int = 0,
+           valid_ids: Optional[Sequence[str]] = None) -> Tuple[List[dict], List[dict]]:
   """(train records, validation records).
 
   valid_sequences = 0: the records' own hash split. N > 0: a fixed held-out
@@ -257,8 +257,18 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0,
   the training records' shortest prefix (in file order, the sources'
   interleaved order) holding that many answer tokens, so smaller sets nest in
   larger ones (a data-scaling curve) and the validation set stays the same.
+  valid_ids: the validation records by id (a set chosen before, kept while
+  the data grows); every id must be in `records`.
   """
-  if valid_sequences:
+  if valid_ids is not None:
+    ids = set(valid_ids)
+    missing = ids - {r["id"] for r in records}
+    if missing:
+      raise ValueError(f"{len(missing)} validation ids are not in the data "
+                       f"(e.g. {sorted(missing)[0]!r})")
+    valid = [r for r in records if r["id"] in ids]
+    train = [r for r in records if r["id"] not in ids]
+  elif valid_sequences:
     def rank(r):
       return hashlib.sha1(r["id"].encode()).hexdigest()
     by_src: Dict[str, List[dict]] = {}

@@ -6,6 +6,7 @@ checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Callable, Optional
@@ -88,8 +89,13 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
         skip_ids=[r["id"] for r in records])
     progress(f"data: + {len(ref)} reference answers of the datasets")
     records = records + ref
+  valid_ids = None
+  if c.valid_ids_path:
+    with open(c.valid_ids_path) as f:
+      valid_ids = json.load(f)
   train_recs, valid_recs = distill_data.select(records, valid_sequences=c.valid_sequences,
-                                               train_positions=c.train_positions)
+                                               train_positions=c.train_positions,
+                                               valid_ids=valid_ids)
   train_seqs = distill_data.sequences(train_recs)
   valid_seqs = distill_data.sequences(valid_recs) or train_seqs[:2]
   progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")

@@ -36,6 +36,9 @@ class TrainSettings(RunSettings):
   # > 0: a fixed validation set of this many records, stratified by source
   # (else the records' hash split by valid_fraction)
   valid_sequences: int = 0
+  # a JSON list of validation record ids (overrides the above; a scaling run
+  # fixes its held-out set this way while the data grows)
+  valid_ids_path: str = ""
   # > 0: train on the shortest prefix of the training records holding this
   # many answer tokens (nested subsets: a data-scaling curve)
   train_positions: int = 0
