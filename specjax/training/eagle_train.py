@@ -58,7 +58,7 @@ class SeqPool:
   def __init__(self, tokens, final, taps, plen, top_ids=None, top_p=None):
     self.tokens, self.final, self.taps, self.plen = tokens, final, taps, plen
     self.top_ids, self.top_p = top_ids, top_p  # the teacher's top-K per position, or None
-    self._by_width: Optional[Dict[int, List[int]]] = None
+    self._by_width = None  # (buckets, widths, shares), by _buckets
 
   def __len__(self):
     return len(self.tokens)
@@ -138,11 +138,8 @@ class SeqPool:
     bucket per batch, `batch_tokens // width` sequences of it (at least one);
     the bucket is drawn in proportion to its answer positions, so every
     position is equally likely to be trained on."""
-    by_width = self._buckets()
-    widths = sorted(by_width)
-    weight = np.asarray([sum(self._answer_positions(i) for i in by_width[w]) for w in widths],
-                        np.float64)
-    w = widths[int(rng.choice(len(widths), p=weight / weight.sum()))]
+    by_width, widths, share = self._buckets()
+    w = widths[int(rng.choice(len(widths), p=share))]
     members = by_width[w]
     rows = max(batch_tokens // w, 1)
     pick = rng.choice(len(members), size=rows, replace=len(members) < rows)
@@ -157,13 +154,18 @@ class SeqPool:
   def _answer_positions(self, i: int) -> int:
     return max(len(self.tokens[i]) - max(self.plen[i] - 1, 0) - 1, 0)
 
-  def _buckets(self) -> Dict[int, List[int]]:
+  def _buckets(self) -> Tuple[Dict[int, List[int]], List[int], np.ndarray]:
+    """(width -> its sequences, the widths, each width's share of the answer
+    positions), computed once."""
     if self._by_width is None:
       by_width: Dict[int, List[int]] = {}
       for i in range(len(self)):
         if self._answer_positions(i):
           by_width.setdefault(self.width(i), []).append(i)
-      self._by_width = by_width
+      widths = sorted(by_width)
+      weight = np.asarray([sum(self._answer_positions(i) for i in by_width[w]) for w in widths],
+                          np.float64)
+      self._by_width = (by_width, widths, weight / weight.sum())
     return self._by_width
 
   def eval_windows(self, t: int, max_windows: Optional[int] = None) -> List[dict]:
