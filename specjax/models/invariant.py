@@ -12,11 +12,12 @@ With `ModelConfig.batch_invariant`, decode-time forwards (AR steps, chain and
 tree verification; prefill excluded, it is shared) run here instead:
 
 * the B x T new tokens are flattened to rows and padded to whole tiles of
-  `TILE` rows; every row-wise computation runs tile by tile in a loop whose
-  trip count XLA cannot see (so one compiled body serves every width, and a
+  `tile_rows(dtype)` rows; every row-wise computation runs tile by tile in a
+  loop whose trip count XLA cannot see (so one compiled body serves every width, and a
   one-tile block is not inlined and re-fused differently);
-* every matmul is the same multiply + reduction over a (TILE, D) tile (never
-  GEMV or GEMM by row count); the weights are read once per tile;
+* every matmul has one formulation for its precision, applied to a whole
+  (tile, D) tile (never GEMV or GEMM by row count); the weights are read once
+  per tile;
 * attention gives every query row its own view of the cache: the committed
   prefix at its own slots, then the block tokens it may see, in the order of
   their positions, at consecutive slots (a tree node sees its ancestors laid
@@ -42,11 +43,29 @@ from specjax.models.cache import KVCache
 from specjax.models import layers as L
 from specjax.models.config import ModelConfig
 
-TILE = 8  # rows per tile: bf16's reduction form is exact up to 8 rows on XLA CPU
+# Rows per tile and the matmul's form, per weight dtype (measured on XLA CPU, SmolLM2's
+# five matrix shapes, every matmul of one forward):
+# - float32: 8 rows, multiply + reduction (29 ms a tile; a GEMM tile of 16 rows
+#   costs 39 ms, the default's one-row GEMV 12-16 ms);
+# - bfloat16: 16 rows, XLA's dot (a GEMM: 23 ms a tile, below the default's
+#   one-row 25 ms; the 8-row multiply + reduction costs 31-34 ms, and the
+#   reduction form is lossy above 8 rows).
+# Each form gives every row of its tile the same bits wherever the row sits
+# and whatever the other rows hold (tests/test_batch_invariant.py).
+TILES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 16}
+
+
+def tile_rows(dtype) -> int:
+  """Rows per tile of the batch-invariant forward for weights of `dtype`."""
+  try:
+    return TILES[jnp.dtype(dtype)]
+  except KeyError:
+    raise ValueError(f"batch_invariant supports float32 and bfloat16 weights, not "
+                     f"{jnp.dtype(dtype).name}") from None
 
 
 def _tiled(f, *xs):
-  """f over tiles: xs (n, TILE, ...) -> stacked outputs, in a loop of n trips
+  """f over tiles: xs (n, tile, ...) -> stacked outputs, in a loop of n trips
   that XLA can neither unroll nor inline (the trip count passes an
   optimization barrier), so the body is one program for every n."""
   n = xs[0].shape[0]
@@ -62,10 +81,13 @@ def _tiled(f, *xs):
 
 
 def dot(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x (TILE, D) @ w^T, w stored (F, D): the multiply + reduction form, float32
-  accumulation; x rounded to the weight dtype as the plain product does."""
+  """x (tile, D) @ w^T, w stored (F, D), float32 accumulation; x rounded to the
+  weight dtype as the plain product does. bfloat16: XLA's dot (a GEMM over
+  the 16-row tile); float32: the multiply + reduction form."""
+  if w.dtype == jnp.bfloat16:
+    return jnp.einsum("pd,fd->pf", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
   xf = x.astype(w.dtype).astype(jnp.float32)
-  y = jnp.sum(w.astype(jnp.float32)[:, None, :] * xf[None, :, :], axis=-1)  # (F, TILE)
+  y = jnp.sum(w.astype(jnp.float32)[:, None, :] * xf[None, :, :], axis=-1)  # (F, tile)
   return y.T
 
 
@@ -102,23 +124,24 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
   s = cache.num_slots
   length = cache.length
   rows = b * t
-  n_tiles = -(-rows // TILE)
-  pad = n_tiles * TILE - rows
+  tile = tile_rows(cfg.dtype)
+  n_tiles = -(-rows // tile)
+  pad = n_tiles * tile - rows
   hq, hkv, dh, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
   scale = dh ** -0.5
 
-  def tiles(x):  # (B, T, ...) -> (n, TILE, ...)
+  def tiles(x):  # (B, T, ...) -> (n, tile, ...)
     x = x.reshape((rows,) + x.shape[2:])
     x = jnp.pad(x, ((0, pad),) + ((0, 0),) * (x.ndim - 1))
-    return x.reshape((n_tiles, TILE) + x.shape[1:])
+    return x.reshape((n_tiles, tile) + x.shape[1:])
 
-  def untile(x):  # (n, TILE, ...) -> (B, T, ...)
-    return x.reshape((n_tiles * TILE,) + x.shape[2:])[:rows].reshape((b, t) + x.shape[2:])
+  def untile(x):  # (n, tile, ...) -> (B, T, ...)
+    return x.reshape((n_tiles * tile,) + x.shape[2:])[:rows].reshape((b, t) + x.shape[2:])
 
   src, visible = _views(length, positions, mask, s)
   row_of = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
   src_t, vis_t, row_t, pos_t = tiles(src), tiles(visible), tiles(row_of), tiles(positions)
-  x = tiles(L.embed(params, tokens))  # (n, TILE, D) float32
+  x = tiles(L.embed(params, tokens))  # (n, tile, D) float32
   run = range(cfg.num_layers) if layers is None else tuple(layers)
   taps = {}
   new_k, new_v = list(cache.k), list(cache.v)
@@ -128,9 +151,9 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
     def qkv_tile(x, pos, p=p):
       h = L.rms_norm(x, p["attn_norm"], cfg.norm_eps)
       qkv = dot(h, p["wqkv"])
-      q = qkv[:, :hq * dh].reshape(TILE, 1, hq, dh)
-      k = qkv[:, hq * dh:(hq + hkv) * dh].reshape(TILE, 1, hkv, dh)
-      v = qkv[:, (hq + hkv) * dh:].reshape(TILE, 1, hkv, dh)
+      q = qkv[:, :hq * dh].reshape(tile, 1, hq, dh)
+      k = qkv[:, hq * dh:(hq + hkv) * dh].reshape(tile, 1, hkv, dh)
+      v = qkv[:, (hq + hkv) * dh:].reshape(tile, 1, hkv, dh)
       q = L.rope(q, pos[:, None], cfg.rope_theta)[:, 0]
       k = L.rope(k, pos[:, None], cfg.rope_theta)[:, 0]
       return q, k, v[:, 0]
@@ -142,16 +165,16 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
 
     def attn_mlp_tile(x, q, src, vis, row, p=p, ck=ck, cv=cv):
       if mask is None:  # a chain: every query's view is its row's cache as it is
-        kk, vv = ck[row], cv[row]  # (TILE, S, G, Dh)
+        kk, vv = ck[row], cv[row]  # (tile, S, G, Dh)
       else:  # each query row's own view (a tree node: its ancestors by depth)
         kk, vv = ck[row[:, None], src], cv[row[:, None], src]
-      qg = q.reshape(TILE, hkv, g, dh)
+      qg = q.reshape(tile, hkv, g, dh)
       sc = jnp.einsum("pgrd,psgd->pgrs", qg.astype(kk.dtype), kk,
                       preferred_element_type=jnp.float32) * scale
       sc = jnp.where(vis[:, None, None, :], sc, -jnp.inf)
       w = jax.nn.softmax(sc, axis=-1)
       o = jnp.einsum("pgrs,psgd->pgrd", w.astype(vv.dtype), vv,
-                     preferred_element_type=jnp.float32).reshape(TILE, hq * dh)
+                     preferred_element_type=jnp.float32).reshape(tile, hq * dh)
       x = x + dot(o, p["wo"])
       h = L.rms_norm(x, p["mlp_norm"], cfg.norm_eps)
       gate, up = jnp.split(dot(h, p["w_gate_up"]), 2, axis=-1)
