@@ -34,6 +34,7 @@ one-token steps; a negative control without the setting).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -142,60 +143,70 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
   row_of = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
   src_t, vis_t, row_t, pos_t = tiles(src), tiles(visible), tiles(row_of), tiles(positions)
   x = tiles(L.embed(params, tokens))  # (n, tile, D) float32
-  run = range(cfg.num_layers) if layers is None else tuple(layers)
+  run = tuple(range(cfg.num_layers) if layers is None else layers)
+  if not run:
+    raise ValueError("the batch-invariant forward needs at least one layer to run")
+  head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
+
+  def qkv_tile(x, pos, p):
+    h = L.rms_norm(x, p["attn_norm"], cfg.norm_eps)
+    qkv = dot(h, p["wqkv"])
+    q = qkv[:, :hq * dh].reshape(tile, 1, hq, dh)
+    k = qkv[:, hq * dh:(hq + hkv) * dh].reshape(tile, 1, hkv, dh)
+    v = qkv[:, (hq + hkv) * dh:].reshape(tile, 1, hkv, dh)
+    q = L.rope(q, pos[:, None], cfg.rope_theta)[:, 0]
+    k = L.rope(k, pos[:, None], cfg.rope_theta)[:, 0]
+    return q, k, v[:, 0]
+
+  def attn_mlp_tile(x, q, src, vis, row, p, ck, cv):
+    if mask is None:  # a chain: every query's view is its row's cache as it is
+      kk, vv = ck[row], cv[row]  # (tile, S, G, Dh)
+    else:  # each query row's own view (a tree node: its ancestors by depth)
+      kk, vv = ck[row[:, None], src], cv[row[:, None], src]
+    qg = q.reshape(tile, hkv, g, dh)
+    sc = jnp.einsum("pgrd,psgd->pgrs", qg.astype(kk.dtype), kk,
+                    preferred_element_type=jnp.float32) * scale
+    sc = jnp.where(vis[:, None, None, :], sc, -jnp.inf)
+    w = jax.nn.softmax(sc, axis=-1)
+    o = jnp.einsum("pgrs,psgd->pgrd", w.astype(vv.dtype), vv,
+                   preferred_element_type=jnp.float32).reshape(tile, hq * dh)
+    x = x + dot(o, p["wo"])
+    h = L.rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+    gate, up = jnp.split(dot(h, p["w_gate_up"]), 2, axis=-1)
+    return x + dot(jax.nn.silu(gate) * up, p["w_down"])
+
+  # One tile loop per layer: layer i's attention + MLP, then layer i + 1's
+  # Q/K/V (or, after the last layer, the final norm and the LM head) in the same
+  # body. Layer i + 1's K/V must reach the cache before its attention (a block's
+  # later rows read its earlier rows, possibly in other tiles), so this is the
+  # fewest loops: each costs a fixed overhead on XLA CPU.
   taps = {}
   new_k, new_v = list(cache.k), list(cache.v)
-  for i in run:
-    p = params["layers"][i]
-
-    def qkv_tile(x, pos, p=p):
-      h = L.rms_norm(x, p["attn_norm"], cfg.norm_eps)
-      qkv = dot(h, p["wqkv"])
-      q = qkv[:, :hq * dh].reshape(tile, 1, hq, dh)
-      k = qkv[:, hq * dh:(hq + hkv) * dh].reshape(tile, 1, hkv, dh)
-      v = qkv[:, (hq + hkv) * dh:].reshape(tile, 1, hkv, dh)
-      q = L.rope(q, pos[:, None], cfg.rope_theta)[:, 0]
-      k = L.rope(k, pos[:, None], cfg.rope_theta)[:, 0]
-      return q, k, v[:, 0]
-
-    q, k, v = _tiled(qkv_tile, x, pos_t)
+  q, k, v = _tiled(functools.partial(qkv_tile, p=params["layers"][run[0]]), x, pos_t)
+  for j, i in enumerate(run):
     new_k[i] = L.write_cache(cache.k[i], untile(k), length, active)
     new_v[i] = L.write_cache(cache.v[i], untile(v), length, active)
-    ck, cv = new_k[i], new_v[i]
+    last = j + 1 == len(run)
 
-    def attn_mlp_tile(x, q, src, vis, row, p=p, ck=ck, cv=cv):
-      if mask is None:  # a chain: every query's view is its row's cache as it is
-        kk, vv = ck[row], cv[row]  # (tile, S, G, Dh)
-      else:  # each query row's own view (a tree node: its ancestors by depth)
-        kk, vv = ck[row[:, None], src], cv[row[:, None], src]
-      qg = q.reshape(tile, hkv, g, dh)
-      sc = jnp.einsum("pgrd,psgd->pgrs", qg.astype(kk.dtype), kk,
-                      preferred_element_type=jnp.float32) * scale
-      sc = jnp.where(vis[:, None, None, :], sc, -jnp.inf)
-      w = jax.nn.softmax(sc, axis=-1)
-      o = jnp.einsum("pgrs,psgd->pgrd", w.astype(vv.dtype), vv,
-                     preferred_element_type=jnp.float32).reshape(tile, hq * dh)
-      x = x + dot(o, p["wo"])
-      h = L.rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-      gate, up = jnp.split(dot(h, p["w_gate_up"]), 2, axis=-1)
-      return x + dot(jax.nn.silu(gate) * up, p["w_down"])
+    def body(x, q, src, vis, row, pos, i=i, last=last, nxt=None if last else run[j + 1]):
+      x = attn_mlp_tile(x, q, src, vis, row, params["layers"][i], new_k[i], new_v[i])
+      if not last:
+        return (x,) + qkv_tile(x, pos, params["layers"][nxt])
+      final = L.rms_norm(x, params["final_norm"], cfg.norm_eps)
+      return x, final, dot(final, head) if compute_logits else None
 
-    x = _tiled(attn_mlp_tile, x, q, src_t, vis_t, row_t)
+    if last:
+      x, final, logits = _tiled(body, x, q, src_t, vis_t, row_t, pos_t)
+    else:
+      x, q, k, v = _tiled(body, x, q, src_t, vis_t, row_t, pos_t)
     taps[i] = x
 
-  def final_tile(x):
-    return L.rms_norm(x, params["final_norm"], cfg.norm_eps)
-
-  final = _tiled(final_tile, x)
   taps[cfg.num_layers] = final
   if hidden_layers:
     hidden = jnp.concatenate([untile(taps[i]) for i in hidden_layers], axis=-1)
   else:
     hidden = untile(final)
-  logits = None
-  if compute_logits:
-    head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
-    logits = untile(_tiled(lambda h: dot(h, head), final))
+  logits = untile(logits) if compute_logits else None
   step = jnp.full((b,), t, jnp.int32)
   if active is not None:
     step = jnp.where(active, step, 0)
