@@ -2,6 +2,7 @@
 
   python experiments/train.py --config=configs/eagle.py
   python experiments/train.py --config=configs/eagle.py:reduced   # 8192-token draft vocab
+  python experiments/train.py --config=configs/eagle.py:reduced_init   # its layer from the target's last
   python experiments/train.py --config=configs/eagle.py:tiny      # seconds, tests
 
 Self-distillation data is generated (and resumed) at `data_path` (default
@@ -45,10 +46,14 @@ def get_config(arg=None, method="eagle"):
                   valid_max_windows=16, workdir=f"/tmp/specjax_train/{method}_tiny", export=""))
   elif arg == "reduced":
     c.update(dict(draft_vocab=8192, workdir=f"/tmp/specjax_train/{method}_v8k", export=shipped))
+  elif arg == "reduced_init":  # the reduced head, its layer started as the target's last
+    c = get_config("reduced", method)
+    c.update(dict(head_init_layer=-1, workdir=f"/tmp/specjax_train/{method}_v8k_init",
+                  export=shipped + "_init"))
   elif arg == "tiny_reduced":
     c = get_config("tiny", method)
     c.draft_vocab, c.teacher_top_k = 32, 16
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
-                     "(known: tiny, reduced, tiny_reduced)")
+                     "(known: tiny, reduced, reduced_init, tiny_reduced)")
   return c

@@ -32,7 +32,7 @@ def get_config(arg=None):
   # bench_max_new_tokens, out). The training recipe: configs/eagle3.py's
   # variant `recipe` (its other fields are set per point).
   common.settings_fields(c, scaling.ScalingSettings)
-  c.recipe = "reduced"
+  c.recipe = "reduced"  # a variant of configs/eagle3.py (e.g. reduced_init)
   if arg:
     raise ValueError(f"unknown variant {arg!r} of configs/scaling.py")
   c.lock()

@@ -326,3 +326,24 @@ def test_draft_vocabulary_is_chosen_at_load(trained, tiny_target):
   del raw["vocab_rank"]
   with pytest.raises(ValueError, match="token ranking"):
     eagle.with_draft_vocab(raw, 5, cfg)
+
+
+def test_head_initialised_from_a_target_layer(tiny_target):
+  """head_init_layer: the head's layer is a float32 copy of the target's, the
+  EAGLE-3 fusion passes the high tap through and the norm is the target's final
+  norm; an index outside the target is refused by name."""
+  params, cfg = tiny_target.params, tiny_target.cfg
+  head = eagle.init_head_from_target(jax.random.key(0), cfg, params, -1, fused=True)
+  for name, w in params["layers"][cfg.num_layers - 1].items():
+    np.testing.assert_array_equal(np.asarray(head["layer"][name]),
+                                  np.asarray(w, np.float32), err_msg=name)
+    assert head["layer"][name].dtype == jnp.float32
+  np.testing.assert_array_equal(head["norm"], np.asarray(params["final_norm"], np.float32))
+  feats = jax.random.normal(jax.random.key(1), (2, 5, 3 * cfg.dim))
+  high = eagle._unit_rms(feats[..., 2 * cfg.dim:], cfg.norm_eps)  # pylint: disable=protected-access
+  np.testing.assert_allclose(eagle.fuse(head, cfg, feats), high, atol=0.1)
+  random_head = eagle.init_head(jax.random.key(0), cfg, fused=True)
+  assert not np.allclose(random_head["layer"]["wqkv"], head["layer"]["wqkv"])
+  assert set(random_head) == set(head)  # the same pytree: checkpoints, warm starts
+  with pytest.raises(ValueError, match="head_init_layer"):
+    eagle.init_head_from_target(jax.random.key(0), cfg, params, cfg.num_layers, fused=True)

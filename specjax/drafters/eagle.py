@@ -98,6 +98,34 @@ def init_head(key: jax.Array, cfg: ModelConfig, *, fused: bool,
   return p
 
 
+def init_head_from_target(key: jax.Array, cfg: ModelConfig, target_params, layer: int, *,
+                          fused: bool, vocab: Optional[jax.Array] = None) -> dict:
+  """A head that starts as one of the target's own layers (float32).
+
+  The head's layer is a copy of target layer `layer` (a negative index counts
+  from the end) and, for EAGLE-3, its output norm the target's final norm and
+  the fusion a pass-through of the high tapped layer: at step 0 the head runs
+  the target's late computation on the target's late features, so training
+  starts from attention and MLP weights that already read this feature space
+  instead of from noise. The FC keeps `init_head`'s [I, ~0] (the token
+  embedding enters as it learns)."""
+  n = cfg.num_layers
+  if not -n <= layer < n:
+    raise ValueError(f"head_init_layer={layer}: the target has {n} layers (0..{n - 1}, or "
+                     f"-{n}..-1 from the end)")
+  p = init_head(key, cfg, fused=fused, vocab=vocab)
+  p["layer"] = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
+                            dict(target_params["layers"][layer]))
+  if fused:
+    d = cfg.dim
+    k_fuse = jax.random.fold_in(key, 1)
+    high = jnp.concatenate([jnp.zeros((d, 2 * d)), jnp.eye(d)], axis=1)
+    p["fuse"] = (high + jax.random.normal(k_fuse, (d, 3 * d)) * 0.01 / jnp.sqrt(d)).astype(
+        jnp.float32)
+    p["norm"] = jnp.asarray(target_params["final_norm"], jnp.float32)
+  return p
+
+
 def _unit_rms(x: jax.Array, eps: float) -> jax.Array:
   x = x.astype(jnp.float32)
   return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)

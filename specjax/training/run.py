@@ -241,8 +241,13 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
            f"{time.perf_counter() - t0:.0f}s; teacher top-{c.teacher_top_k or 'all'} "
            f"covers {covered:.4f} of the validation labels' mass")
   vocab = _reduced_vocab(c, cfg, train_seqs, progress)
-  head0 = _warm_start(c, model, eagle.init_head(jax.random.key(c.seed), cfg, fused=fused),
-                      progress)
+  if c.head_init_layer is None:
+    init = eagle.init_head(jax.random.key(c.seed), cfg, fused=fused)
+  else:
+    init = eagle.init_head_from_target(jax.random.key(c.seed), cfg, model.params,
+                                       c.head_init_layer, fused=fused)
+    progress(f"head initialised from target layer {c.head_init_layer}")
+  head0 = _warm_start(c, model, init, progress)
   if c.context not in ("sequence", "window"):
     raise ValueError(f"unknown context {c.context!r} for EAGLE training (known: sequence, "
                      "window)")

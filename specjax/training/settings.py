@@ -10,7 +10,7 @@ into these settings once (`TrainSettings.of(config)`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from specjax.settings import RunSettings
 
@@ -92,6 +92,10 @@ class TrainSettings(RunSettings):
   # step); K = its top K per position, stored with the features (the mean
   # covered mass on validation is reported)
   teacher_top_k: int = 0
+  # >= 0 (or negative, from the end): start the head's layer as a copy of this
+  # target layer (EAGLE-3: the fusion passes the high tap, the norm is the
+  # target's final norm); None = a random layer
+  head_init_layer: Optional[int] = None
   context: str = "sequence"
   batch_tokens: int = 1024
   window: int = 128
@@ -124,6 +128,7 @@ class TrainSettings(RunSettings):
 
 
 _EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "decay", "teacher_top_k",
+          "head_init_layer",
           "context", "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows",
           "train_eval_sequences")
 # each method's own fields (the others of its config are shared)
