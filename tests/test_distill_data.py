@@ -92,3 +92,10 @@ def test_select_holds_out_a_stratified_set_and_nests_training_prefixes():
   assert v2 == valid and t2[-1]["id"] == "alpaca/999"
   with pytest.raises(ValueError, match="not in the data"):
     distill_data.select(recs[:5], valid_ids=ids)
+  # a data mix: training on some sources only, the validation set untouched
+  t3, v3 = distill_data.select(recs, valid_sequences=12, train_sources=["alpaca", "gsm8k_train"],
+                               train_positions=50)
+  assert v3 == valid and {r["id"].split("/")[0] for r in t3} == {"alpaca", "gsm8k_train"}
+  assert sum(len(r["answer"]) for r in t3) >= 50 > sum(len(r["answer"]) for r in t3[:-1])
+  with pytest.raises(ValueError, match="'xsum'.*not in the data"):
+    distill_data.select(recs, train_sources=["xsum"])

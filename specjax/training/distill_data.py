@@ -248,7 +248,8 @@ def sequences(records: Iterable[dict], split: Optional[str] = None) -> List[Tupl
 
 
 def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions: int = 0,
-           valid_ids: Optional[Sequence[str]] = None) -> Tuple[List[dict], List[dict]]:
+           valid_ids: Optional[Sequence[str]] = None,
+           train_sources: Optional[Sequence[str]] = None) -> Tuple[List[dict], List[dict]]:
   """(train records, validation records).
 
   valid_sequences = 0: the records' own hash split. N > 0: a fixed held-out
@@ -258,7 +259,10 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions
   interleaved order) holding that many answer tokens, so smaller sets nest in
   larger ones (a data-scaling curve) and the validation set stays the same.
   valid_ids: the validation records by id (a set chosen before, kept while
-  the data grows); every id must be in `records`.
+  the data grows); every id must be in `records`. train_sources: train only on
+  the records of these sources (the validation set is left as it is, so runs
+  of different data mixes are measured on the same records); applied before
+  the train_positions prefix.
   """
   if valid_ids is not None:
     ids = set(valid_ids)
@@ -290,6 +294,13 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions
   else:
     valid = [r for r in records if r["split"] == "valid"]
     train = [r for r in records if r["split"] == "train"]
+  if train_sources:
+    known = {r["id"].split("/")[0] for r in records}
+    unknown = sorted(set(train_sources) - known)
+    if unknown:
+      raise ValueError(f"train_sources {unknown} are not in the data "
+                       f"(its sources: {', '.join(sorted(known))})")
+    train = [r for r in train if r["id"].split("/")[0] in set(train_sources)]
   if train_positions:
     total, cut = 0, len(train)
     for n, r in enumerate(train):

@@ -42,6 +42,9 @@ class TrainSettings(RunSettings):
   # > 0: train on the shortest prefix of the training records holding this
   # many answer tokens (nested subsets: a data-scaling curve)
   train_positions: int = 0
+  # '' = every source; else train only on these (comma-separated; e.g.
+  # 'alpaca,gsm8k_train,xsum': a data mix without code), validation unchanged
+  train_sources: str = ""
   seed: int = 0
   # + this many datasets' reference answers (teacher-forced through the target:
   # one forward each instead of a generation)
