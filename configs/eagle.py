@@ -4,6 +4,7 @@
   python experiments/train.py --config=configs/eagle.py:reduced   # 8192-token draft vocab
   python experiments/train.py --config=configs/eagle.py:reduced_init   # its layer from the target's last
   python experiments/train.py --config=configs/eagle.py:reduced_nocode  # trained without the code sources
+  python experiments/train.py --config=configs/eagle.py:reduced_wd  # (or reduced_nocode_wd) + weight decay 0.1
   python experiments/train.py --config=configs/eagle.py:tiny      # seconds, tests
 
 Self-distillation data is generated (and resumed) at `data_path` (default
@@ -55,10 +56,14 @@ def get_config(arg=None, method="eagle"):
     c = get_config("reduced", method)
     c.update(dict(train_sources="alpaca,gsm8k_train,xsum",
                   workdir=f"/tmp/specjax_train/{method}_v8k_nocode", export=shipped + "_nocode"))
+  elif arg in ("reduced_wd", "reduced_nocode_wd"):  # + AdamW weight decay 0.1
+    c = get_config(arg[:-3], method)
+    c.update(dict(weight_decay=0.1, workdir=c.workdir + "_wd", export=c.export + "_wd"))
   elif arg == "tiny_reduced":
     c = get_config("tiny", method)
     c.draft_vocab, c.teacher_top_k = 32, 16
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
-                     "(known: tiny, reduced, reduced_init, reduced_nocode, tiny_reduced)")
+                     "(known: tiny, reduced, reduced_init, reduced_nocode, reduced_wd, reduced_nocode_wd, "
+                     "tiny_reduced)")
   return c
