@@ -5,6 +5,7 @@
   python experiments/train.py --config=configs/eagle.py:reduced_init   # its layer from the target's last
   python experiments/train.py --config=configs/eagle.py:reduced_nocode  # trained without the code sources
   python experiments/train.py --config=configs/eagle.py:reduced_wd  # (or reduced_nocode_wd) + weight decay 0.1
+  python experiments/train.py --config=configs/eagle.py:reduced_dropout  # + feature dropout 0.1
   python experiments/train.py --config=configs/eagle.py:tiny      # seconds, tests
 
 Self-distillation data is generated (and resumed) at `data_path` (default
@@ -59,11 +60,14 @@ def get_config(arg=None, method="eagle"):
   elif arg in ("reduced_wd", "reduced_nocode_wd"):  # + AdamW weight decay 0.1
     c = get_config(arg[:-3], method)
     c.update(dict(weight_decay=0.1, workdir=c.workdir + "_wd", export=c.export + "_wd"))
+  elif arg == "reduced_dropout":  # + dropout 0.1 on the fused target features
+    c = get_config("reduced", method)
+    c.update(dict(feature_dropout=0.1, workdir=c.workdir + "_drop", export=c.export + "_drop"))
   elif arg == "tiny_reduced":
     c = get_config("tiny", method)
     c.draft_vocab, c.teacher_top_k = 32, 16
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
                      "(known: tiny, reduced, reduced_init, reduced_nocode, reduced_wd, reduced_nocode_wd, "
-                     "tiny_reduced)")
+                     "reduced_dropout, tiny_reduced)")
   return c

@@ -347,3 +347,36 @@ def test_head_initialised_from_a_target_layer(tiny_target):
   assert set(random_head) == set(head)  # the same pytree: checkpoints, warm starts
   with pytest.raises(ValueError, match="head_init_layer"):
     eagle.init_head_from_target(jax.random.key(0), cfg, params, cfg.num_layers, fused=True)
+
+
+def test_feature_dropout_zeroes_the_fused_features_in_training_steps_only(tiny_target):
+  """feature_dropout: the unroll scaled by `keep` changes outputs only from
+  the first dropped position on (causal), an all-ones keep changes nothing; a
+  step with dropout is reproducible from its key and differs from one
+  without; a rate outside [0, 1) is refused by name."""
+  m = tiny_target
+  cfg, t = m.cfg, 10
+  head = eagle.init_head(jax.random.key(0), cfg, fused=True)
+  rng = np.random.default_rng(1)
+  batch = {"g": jnp.asarray(rng.standard_normal((1, t, 3 * cfg.dim)), jnp.float32),
+           "tokens": jnp.asarray(rng.integers(3, cfg.vocab_size, (1, t)), jnp.int32),
+           "positions": jnp.arange(t, dtype=jnp.int32)[None]}
+  base = eagle_train.unroll(head, m.params, cfg, batch, 2)
+  same = eagle_train.unroll(head, m.params, cfg, batch, 2, keep=jnp.ones((1, t, cfg.dim)))
+  np.testing.assert_array_equal(base[1], same[1])
+  keep = jnp.ones((1, t, cfg.dim)).at[:, 6].set(0.0)
+  dropped = eagle_train.unroll(head, m.params, cfg, batch, 2, keep=keep)
+  np.testing.assert_array_equal(dropped[0][:, :6], base[0][:, :6])
+  assert not np.allclose(dropped[0][:, 6], base[0][:, 6])
+  opt = loop.make_optimizer(1e-3, 10, 1, 0.0, 1.0)
+  b = dict(batch, answer=jnp.ones((1, t), jnp.float32),
+           f_next=jnp.asarray(rng.standard_normal((1, t, cfg.dim)), jnp.float32),
+           key=jax.random.key_data(jax.random.key(3)))
+  losses = []
+  for rate in (0.5, 0.5, 0.0):
+    step = eagle_train.make_step(opt, m.params, cfg, steps=2, w_reg=0.0, w_cls=1.0,
+                                 dropout=rate)
+    losses.append(float(step(head, opt.init(head), b)[2]["loss"]))
+  assert losses[0] == losses[1] and losses[0] != losses[2]
+  with pytest.raises(ValueError, match="dropout"):
+    eagle_train.make_step(opt, m.params, cfg, dropout=1.0)

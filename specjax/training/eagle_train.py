@@ -229,10 +229,15 @@ def _chain_attention(q, ks, vs, s: int, cfg: ModelConfig):
 
 
 def unroll(head, target_params, cfg: ModelConfig, batch: dict, steps: int,
-           noise: Optional[jax.Array] = None) -> List[jax.Array]:
-  """Outputs a^s (B, T, D) of steps s = 0 .. steps-1 (see the module docstring)."""
+           noise: Optional[jax.Array] = None,
+           keep: Optional[jax.Array] = None) -> List[jax.Array]:
+  """Outputs a^s (B, T, D) of steps s = 0 .. steps-1 (see the module docstring).
+  Training only: `keep` (B, T, D) scales the (fused) target features (dropout),
+  `noise` is added to them."""
   layer = head["layer"]
   g = eagle.fuse(head, cfg, batch["g"])
+  if keep is not None:
+    g = g * keep
   if noise is not None:
     g = g + noise
   ks, vs, outs = [], [], []
@@ -276,10 +281,10 @@ def teacher_from_top_k(ids, probs, vocab, vocab_size: int) -> jax.Array:
 
 
 def loss_fn(head, target_params, cfg, batch, vocab, noise, *, steps: int, w_reg: float,
-            w_cls: float, decay: float):
+            w_cls: float, decay: float, keep=None):
   lm_w = eagle.head_weights(dict(head, **({} if vocab is None else {"vocab": vocab})),
                             target_params, cfg)
-  outs = unroll(head, target_params, cfg, batch, steps, noise)
+  outs = unroll(head, target_params, cfg, batch, steps, noise, keep)
   if "p_ids" in batch:  # the stored top-K teacher distributions: no LM head here
     p_sub = teacher_from_top_k(batch["p_ids"], batch["p_top"], vocab, cfg.vocab_size)
     target_tok = batch["p_ids"][..., 0]
@@ -311,10 +316,15 @@ def loss_fn(head, target_params, cfg, batch, vocab, noise, *, steps: int, w_reg:
 
 
 def make_step(optimizer, target_params, cfg, *, vocab=None, steps: int = 1, w_reg: float = 1.0,
-              w_cls: float = 0.1, decay: float = 0.8, noise: float = 0.0):
+              w_cls: float = 0.1, decay: float = 0.8, noise: float = 0.0,
+              dropout: float = 0.0):
   """-> step(head, opt_state, batch); batch carries a "key" for the feature noise
-  (raw key data, `jax.random.key_data`).
+  and dropout (raw key data, `jax.random.key_data`). dropout: the rate at which
+  the (fused) target features' entries are zeroed (the rest scaled by
+  1 / (1 - rate)); evaluation never drops.
   The frozen target weights (and the reduced vocabulary) are jit arguments."""
+  if not 0.0 <= dropout < 1.0:
+    raise ValueError(f"feature dropout must be in [0, 1), got {dropout}")
   @jax.jit
   def step_impl(head, opt_state, batch, target_params, vocab):
     key = jax.random.wrap_key_data(batch.pop("key"))
@@ -322,9 +332,14 @@ def make_step(optimizer, target_params, cfg, *, vocab=None, steps: int = 1, w_re
     if noise:
       shape = batch["tokens"].shape + (cfg.dim,)
       nz = jax.random.uniform(key, shape, jnp.float32, -noise, noise)
+    keep = None
+    if dropout:
+      shape = batch["tokens"].shape + (cfg.dim,)
+      keep = jax.random.bernoulli(jax.random.fold_in(key, 1), 1.0 - dropout, shape).astype(
+          jnp.float32) / (1.0 - dropout)
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
         head, target_params, cfg, batch, vocab, nz, steps=steps, w_reg=w_reg, w_cls=w_cls,
-        decay=decay)
+        decay=decay, keep=keep)
     updates, opt_state = optimizer.update(grads, opt_state, head)
     head = jax.tree.map(lambda p, u: p + u, head, updates)
     metrics["positions"] = jnp.sum(batch["answer"]).astype(jnp.int32)

@@ -274,7 +274,8 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
   step_target, dp = _data_parallel(model)
   step_fn = dp(eagle_train.make_step(opt, step_target, cfg, vocab=vocab, steps=c.ttt_steps,
                                      w_reg=0.0 if fused else c.w_reg, w_cls=c.w_cls,
-                                     decay=c.decay, noise=0.0 if fused else c.noise))
+                                     decay=c.decay, noise=0.0 if fused else c.noise,
+                                     dropout=c.feature_dropout))
 
   if c.context == "sequence":
     windows = vpool.eval_sequences(c.valid_max_windows or None)

@@ -88,6 +88,9 @@ class TrainSettings(RunSettings):
   w_reg: float = 1.0  # EAGLE: feature regression (smooth L1)
   w_cls: float = 0.1
   noise: float = 0.1  # EAGLE: uniform feature noise U(-noise, noise)
+  # EAGLE / EAGLE-3: dropout rate on the (fused) target features the head reads
+  # (training only; 0 = off)
+  feature_dropout: float = 0.0
   # 'sequence': whole sequences from position 0 (prompt + answer, one length
   # bucket per batch, batch_tokens positions), the prefix drafting sees;
   # 'window': random `window`-position windows near the answer, batch_windows a batch
@@ -130,7 +133,8 @@ class TrainSettings(RunSettings):
     return {name: getattr(self, name) for name in self.config_fields(self.method)}
 
 
-_EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "decay", "teacher_top_k",
+_EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "feature_dropout", "decay",
+          "teacher_top_k",
           "head_init_layer",
           "context", "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows",
           "train_eval_sequences")
