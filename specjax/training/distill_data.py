@@ -104,7 +104,7 @@ def interleave(sources: Sequence[str], examples: Sequence[Tuple[str, str]], num:
                seed: int) -> List[Tuple[str, str]]:
   """`num` examples drawn round-robin from the sources, each source shuffled
   by `seed` (so every source is represented however small `num` is)."""
-  by_src = {s: [e for e in examples if e[0].split("/")[0] == s] for s in sources}
+  by_src = {s: [e for e in examples if source_of(e[0]) == s] for s in sources}
   rng = random.Random(seed)
   for v in by_src.values():
     rng.shuffle(v)
@@ -247,6 +247,11 @@ def sequences(records: Iterable[dict], split: Optional[str] = None) -> List[Tupl
           if split is None or r["split"] == split]
 
 
+def source_of(record_id: str) -> str:
+  """The source name of a record id ('alpaca/12' -> 'alpaca')."""
+  return record_id.split("/")[0]
+
+
 def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions: int = 0,
            valid_ids: Optional[Sequence[str]] = None,
            train_sources: Optional[Sequence[str]] = None) -> Tuple[List[dict], List[dict]]:
@@ -277,7 +282,7 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions
       return hashlib.sha1(r["id"].encode()).hexdigest()
     by_src: Dict[str, List[dict]] = {}
     for r in sorted(records, key=rank):
-      by_src.setdefault(r["id"].split("/")[0], []).append(r)
+      by_src.setdefault(source_of(r["id"]), []).append(r)
     chosen: List[dict] = []
     i = 0
     while len(chosen) < valid_sequences and any(i < len(v) for v in by_src.values()):
@@ -295,12 +300,12 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions
     valid = [r for r in records if r["split"] == "valid"]
     train = [r for r in records if r["split"] == "train"]
   if train_sources:
-    known = {r["id"].split("/")[0] for r in records}
-    unknown = sorted(set(train_sources) - known)
+    known, wanted = {source_of(r["id"]) for r in records}, set(train_sources)
+    unknown = sorted(wanted - known)
     if unknown:
       raise ValueError(f"train_sources {unknown} are not in the data "
                        f"(its sources: {', '.join(sorted(known))})")
-    train = [r for r in train if r["id"].split("/")[0] in set(train_sources)]
+    train = [r for r in train if source_of(r["id"]) in wanted]
   if train_positions:
     total, cut = 0, len(train)
     for n, r in enumerate(train):

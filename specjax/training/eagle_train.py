@@ -328,13 +328,12 @@ def make_step(optimizer, target_params, cfg, *, vocab=None, steps: int = 1, w_re
   @jax.jit
   def step_impl(head, opt_state, batch, target_params, vocab):
     key = jax.random.wrap_key_data(batch.pop("key"))
+    shape = batch["tokens"].shape + (cfg.dim,)
     nz = None
     if noise:
-      shape = batch["tokens"].shape + (cfg.dim,)
       nz = jax.random.uniform(key, shape, jnp.float32, -noise, noise)
     keep = None
     if dropout:
-      shape = batch["tokens"].shape + (cfg.dim,)
       keep = jax.random.bernoulli(jax.random.fold_in(key, 1), 1.0 - dropout, shape).astype(
           jnp.float32) / (1.0 - dropout)
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(

@@ -75,7 +75,7 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
     # Several processes: process 0 generates (or finishes) the data file, the
     # others then read it.
     records = distributed.primary_first("data", lambda: distill_data.generate_dataset(
-        model, data_path, sources=[s.strip() for s in c.sources.split(",")],
+        model, data_path, sources=_names(c.sources),
         num_examples=c.num_examples, seed=c.seed, max_new_tokens=c.max_new_tokens,
         max_prompt_tokens=c.max_prompt_tokens, batch_size=c.gen_batch_size,
         sample_fraction=c.sample_fraction, valid_fraction=c.valid_fraction,
@@ -83,7 +83,7 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   n_ref = c.reference_examples
   if n_ref and model.tokenizer is not None:
     ref = distill_data.reference_records(
-        model.tokenizer, sources=[s.strip() for s in c.sources.split(",")], num_examples=n_ref,
+        model.tokenizer, sources=_names(c.sources), num_examples=n_ref,
         seed=c.seed + 1, max_prompt_tokens=c.max_prompt_tokens,
         max_answer_tokens=c.max_new_tokens, valid_fraction=c.valid_fraction,
         skip_ids=[r["id"] for r in records])
@@ -96,9 +96,7 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   train_recs, valid_recs = distill_data.select(records, valid_sequences=c.valid_sequences,
                                                train_positions=c.train_positions,
                                                valid_ids=valid_ids,
-                                               train_sources=[x.strip() for x in
-                                                              c.train_sources.split(",")
-                                                              if x.strip()])
+                                               train_sources=_names(c.train_sources))
   train_seqs = distill_data.sequences(train_recs)
   valid_seqs = distill_data.sequences(valid_recs) or train_seqs[:2]
   progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")
@@ -223,6 +221,11 @@ def _feature_cache(c: TrainSettings) -> Optional[str]:
   if c.model == TINY:
     return None
   return c.feature_cache or None
+
+
+def _names(csv: str):
+  """'a, b,c' -> ['a', 'b', 'c'] ('' -> [])."""
+  return [x.strip() for x in csv.split(",") if x.strip()]
 
 
 def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress, stop_after,
