@@ -4,6 +4,7 @@
   python experiments/train.py --config=configs/eagle.py:reduced   # 8192-token draft vocab
   python experiments/train.py --config=configs/eagle.py:reduced_init   # its layer from the target's last
   python experiments/train.py --config=configs/eagle.py:reduced_nocode  # trained without the code sources
+  python experiments/train.py --config=configs/eagle.py:reduced_nocode_rr  # + prefixes round-robin over the sources
   python experiments/train.py --config=configs/eagle.py:reduced_wd  # (or reduced_nocode_wd) + weight decay 0.1
   python experiments/train.py --config=configs/eagle.py:reduced_dropout  # + feature dropout 0.1
   python experiments/train.py --config=configs/eagle.py:tiny      # seconds, tests
@@ -57,6 +58,10 @@ def get_config(arg=None, method="eagle"):
     c = get_config("reduced", method)
     c.update(dict(train_sources="alpaca,gsm8k_train,xsum",
                   workdir=f"/tmp/specjax_train/{method}_v8k_nocode", export=shipped + "_nocode"))
+  elif arg == "reduced_nocode_rr":  # no code; a train_positions prefix takes the
+    # sources in turn, so the long XSum answers appended last are in every prefix
+    c = get_config("reduced_nocode", method)
+    c.update(dict(train_order="sources", workdir=c.workdir + "_rr", export=c.export + "_rr"))
   elif arg in ("reduced_wd", "reduced_nocode_wd"):  # + AdamW weight decay 0.1
     c = get_config(arg[:-3], method)
     c.update(dict(weight_decay=0.1, workdir=c.workdir + "_wd", export=c.export + "_wd"))
@@ -68,6 +73,6 @@ def get_config(arg=None, method="eagle"):
     c.draft_vocab, c.teacher_top_k = 32, 16
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
-                     "(known: tiny, reduced, reduced_init, reduced_nocode, reduced_wd, reduced_nocode_wd, "
+                     "(known: tiny, reduced, reduced_init, reduced_nocode, reduced_nocode_rr, reduced_wd, reduced_nocode_wd, "
                      "reduced_dropout, tiny_reduced)")
   return c

@@ -99,3 +99,20 @@ def test_select_holds_out_a_stratified_set_and_nests_training_prefixes():
   assert sum(len(r["answer"]) for r in t3) >= 50 > sum(len(r["answer"]) for r in t3[:-1])
   with pytest.raises(ValueError, match="'xsum'.*not in the data"):
     distill_data.select(recs, train_sources=["xsum"])
+  # prefixes taken round-robin over the sources: a source appended as a block
+  # at the end of the file is in the smallest prefix, and prefixes still nest
+  grown = recs + [{"id": f"xsum/{i}", "split": "train", "prompt": [1], "answer": [4] * 9}
+                  for i in range(10)]
+  assert not {r["id"].split("/")[0] for r in
+              distill_data.select(grown, valid_ids=ids, train_positions=100)[0]} & {"xsum"}
+  s1, sv = distill_data.select(grown, valid_ids=ids, train_positions=100, train_order="sources")
+  s2, _ = distill_data.select(grown, valid_ids=ids, train_positions=400, train_order="sources")
+  assert sv == valid and s2[:len(s1)] == s1
+  assert [r["id"].split("/")[0] for r in s1[:4]] == ["alpaca", "code_alpaca", "gsm8k_train", "xsum"]
+  assert sum(len(r["answer"]) for r in s1) >= 100 > sum(len(r["answer"]) for r in s1[:-1])
+  every = distill_data.select(grown, valid_ids=ids, train_order="sources")[0]
+  assert len(every) == len(grown) - len(ids)
+  assert {r["id"] for r in every} == {r["id"] for r in grown} - set(ids)
+  assert [r["id"] for r in every if r["id"].startswith("xsum")] == [f"xsum/{i}" for i in range(10)]
+  with pytest.raises(ValueError, match="unknown train_order 'random'"):
+    distill_data.select(recs, train_order="random")

@@ -252,9 +252,26 @@ def source_of(record_id: str) -> str:
   return record_id.split("/")[0]
 
 
+TRAIN_ORDERS = ("file", "sources")
+
+
+def round_robin(records: Sequence[dict]) -> List[dict]:
+  """The records one per source in turn (sources in sorted name order, each
+  in its file order; a source that runs out drops out of the turn)."""
+  by_src: Dict[str, List[dict]] = {}
+  for r in records:
+    by_src.setdefault(source_of(r["id"]), []).append(r)
+  out: List[dict] = []
+  queues = [by_src[s] for s in sorted(by_src)]
+  for i in range(max((len(q) for q in queues), default=0)):
+    out.extend(q[i] for q in queues if i < len(q))
+  return out
+
+
 def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions: int = 0,
            valid_ids: Optional[Sequence[str]] = None,
-           train_sources: Optional[Sequence[str]] = None) -> Tuple[List[dict], List[dict]]:
+           train_sources: Optional[Sequence[str]] = None,
+           train_order: str = "file") -> Tuple[List[dict], List[dict]]:
   """(train records, validation records).
 
   valid_sequences = 0: the records' own hash split. N > 0: a fixed held-out
@@ -267,8 +284,15 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions
   the data grows); every id must be in `records`. train_sources: train only on
   the records of these sources (the validation set is left as it is, so runs
   of different data mixes are measured on the same records); applied before
-  the train_positions prefix.
+  the train_positions prefix. train_order: the order the prefix is taken in:
+  "file" (the file's, so records appended later come last) or "sources"
+  (round-robin over the sources in sorted name order, each in file order, so a
+  source appended as a block, e.g. the long XSum answers, is in every prefix
+  in its share of records; prefixes of one file still nest, and a grown file
+  keeps the old order up to where its smallest source first ran out).
   """
+  if train_order not in TRAIN_ORDERS:
+    raise ValueError(f"unknown train_order {train_order!r} (known: {', '.join(TRAIN_ORDERS)})")
   if valid_ids is not None:
     ids = set(valid_ids)
     missing = ids - {r["id"] for r in records}
@@ -306,6 +330,8 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions
       raise ValueError(f"train_sources {unknown} are not in the data "
                        f"(its sources: {', '.join(sorted(known))})")
     train = [r for r in train if source_of(r["id"]) in wanted]
+  if train_order == "sources":
+    train = round_robin(train)
   if train_positions:
     total, cut = 0, len(train)
     for n, r in enumerate(train):

@@ -96,7 +96,8 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   train_recs, valid_recs = distill_data.select(records, valid_sequences=c.valid_sequences,
                                                train_positions=c.train_positions,
                                                valid_ids=valid_ids,
-                                               train_sources=_names(c.train_sources))
+                                               train_sources=_names(c.train_sources),
+                                               train_order=c.train_order)
   train_seqs = distill_data.sequences(train_recs)
   valid_seqs = distill_data.sequences(valid_recs) or train_seqs[:2]
   progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")

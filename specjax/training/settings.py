@@ -45,6 +45,9 @@ class TrainSettings(RunSettings):
   # '' = every source; else train only on these (comma-separated; e.g.
   # 'alpaca,gsm8k_train,xsum': a data mix without code), validation unchanged
   train_sources: str = ""
+  # the order the train_positions prefix is taken in: 'file' or 'sources'
+  # (round-robin over the sources, so data appended per source is in every prefix)
+  train_order: str = "file"
   seed: int = 0
   # + this many datasets' reference answers (teacher-forced through the target:
   # one forward each instead of a generation)
