@@ -59,7 +59,7 @@ def get_config(arg=None, method="eagle"):
     c.update(dict(train_sources="alpaca,gsm8k_train,xsum",
                   workdir=f"/tmp/specjax_train/{method}_v8k_nocode", export=shipped + "_nocode"))
   elif arg == "reduced_nocode_rr":  # no code; a train_positions prefix takes the
-    # sources in turn, so the long XSum answers appended last are in every prefix
+    # sources in turn (each in file order), so XSum, last in the file, is in every prefix
     c = get_config("reduced_nocode", method)
     c.update(dict(train_order="sources", workdir=c.workdir + "_rr", export=c.export + "_rr"))
   elif arg in ("reduced_wd", "reduced_nocode_wd"):  # + AdamW weight decay 0.1

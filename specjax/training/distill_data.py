@@ -287,8 +287,8 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions
   the train_positions prefix. train_order: the order the prefix is taken in:
   "file" (the file's, so records appended later come last) or "sources"
   (round-robin over the sources in sorted name order, each in file order, so a
-  source appended as a block, e.g. the long XSum answers, is in every prefix
-  in its share of records; prefixes of one file still nest, and a grown file
+  source whose records sit at the end of the file is in every prefix in its
+  share of records; prefixes of one file still nest, and a grown file
   keeps the old order up to where its smallest source first ran out).
   """
   if train_order not in TRAIN_ORDERS:
