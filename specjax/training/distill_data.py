@@ -108,12 +108,14 @@ def interleave(sources: Sequence[str], examples: Sequence[Tuple[str, str]], num:
   rng = random.Random(seed)
   for v in by_src.values():
     rng.shuffle(v)
-  out, i = [], 0
-  while len(out) < num and any(i < len(v) for v in by_src.values()):
-    for s in sources:
-      if i < len(by_src[s]) and len(out) < num:
-        out.append(by_src[s][i])
-    i += 1
+  return _turns([by_src[s] for s in sources])[:num]
+
+
+def _turns(queues: Sequence[Sequence]) -> list:
+  """One item of each queue in turn (a queue that runs out drops out)."""
+  out: list = []
+  for i in range(max((len(q) for q in queues), default=0)):
+    out.extend(q[i] for q in queues if i < len(q))
   return out
 
 
@@ -261,11 +263,7 @@ def round_robin(records: Sequence[dict]) -> List[dict]:
   by_src: Dict[str, List[dict]] = {}
   for r in records:
     by_src.setdefault(source_of(r["id"]), []).append(r)
-  out: List[dict] = []
-  queues = [by_src[s] for s in sorted(by_src)]
-  for i in range(max((len(q) for q in queues), default=0)):
-    out.extend(q[i] for q in queues if i < len(q))
-  return out
+  return _turns([by_src[s] for s in sorted(by_src)])
 
 
 def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions: int = 0,
@@ -304,16 +302,7 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions
   elif valid_sequences:
     def rank(r):
       return hashlib.sha1(r["id"].encode()).hexdigest()
-    by_src: Dict[str, List[dict]] = {}
-    for r in sorted(records, key=rank):
-      by_src.setdefault(source_of(r["id"]), []).append(r)
-    chosen: List[dict] = []
-    i = 0
-    while len(chosen) < valid_sequences and any(i < len(v) for v in by_src.values()):
-      for src in sorted(by_src):
-        if i < len(by_src[src]) and len(chosen) < valid_sequences:
-          chosen.append(by_src[src][i])
-      i += 1
+    chosen = round_robin(sorted(records, key=rank))[:valid_sequences]
     if len(chosen) < valid_sequences or len(chosen) >= len(records):
       raise ValueError(f"valid_sequences={valid_sequences} leaves no training data "
                        f"({len(records)} records)")
