@@ -29,7 +29,7 @@ _spec.loader.exec_module(common)
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   # The run's fields, one default each: specjax.benchmarks.specbench.BenchmarkSettings
-  # (model, dtype, batch_invariant, prompts (Spec-Bench), methods, prompt_limit,
+  # (model, dtype, batch_invariant, invariant_tile, prompts (Spec-Bench), methods, prompt_limit,
   # max_new_tokens, batch_size, seed, repeats, out, processes, local_devices,
   # calibrate, mesh, temperature / top_k / top_p), and the drafters' (None: the
   # method's default).

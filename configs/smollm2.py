@@ -27,7 +27,7 @@ _spec.loader.exec_module(common)
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   # A generate run's fields, one default each: specjax.runner.GenerateSettings
-  # (model, dtype, batch_invariant, prompt, system, max_new_tokens, batch_size,
+  # (model, dtype, batch_invariant, invariant_tile, prompt, system, max_new_tokens, batch_size,
   # seed, cache_slots, repeats, method, mesh, temperature / top_k / top_p), and
   # the drafter's (read by the method that uses them; None: the method's default).
   common.settings_fields(c, runner.GenerateSettings)

@@ -33,6 +33,7 @@ class GenerateSettings(RunSettings):
   # decode forwards bit for bit independent of the block (specjax.models.invariant):
   # greedy speculative output equals greedy AR token for token; slower
   batch_invariant: bool = False
+  invariant_tile: int = 0  # its rows per tile (ModelConfig.invariant_tile; 0: the default)
   prompt: str = "Explain in three sentences why the sky is blue."
   system: Optional[str] = None
   max_new_tokens: int = 128
@@ -76,7 +77,8 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
   methods = ("ar",) + registry.available_methods()
   if c.method not in methods:
     raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
-  model = model or load_model(c.model, c.dtype, batch_invariant=c.batch_invariant)
+  model = model or load_model(c.model, c.dtype, batch_invariant=c.batch_invariant,
+                              invariant_tile=c.invariant_tile)
   if model.tokenizer is None:
     raise ValueError(f"model {c.model!r} has no tokenizer to encode the prompt")
   prompt = model.tokenizer.encode_prompt(c.prompt, system=c.system)

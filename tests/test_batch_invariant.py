@@ -7,7 +7,8 @@ a ragged B = 4 (rows at different cache fill levels). Checked on a random
 model with SmolLM2's matrix shapes (the tiny test target is below the
 row-count thresholds where XLA switches formulation and would prove nothing)
 and on SmolLM2-135M itself (the ragged B = 4, widths {1, 2, 5, 8, 9, 16,
-17} and a tree). Negative control: with the setting off the same
+17} and a tree), at the precision's default tile and (random model) at
+another tile size. Negative control: with the setting off the same
 comparison finds mismatches, on both.
 
 The guarantee is a property of the compiled code: `test_platform_is_the_one_
@@ -42,11 +43,11 @@ PLATFORM_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                              "batch_invariant_platform.json")
 
 
-def smollm2_shapes(dtype: str, invariant: bool) -> ModelConfig:
+def smollm2_shapes(dtype: str, invariant: bool, tile: int = 0) -> ModelConfig:
   """SmolLM2-135M's matrix shapes with 2 layers."""
   return ModelConfig(vocab_size=49152, dim=576, num_layers=2, num_heads=9, num_kv_heads=3,
                      head_dim=64, ffn_dim=1536, rope_theta=100000.0, max_seq_len=2048,
-                     dtype=dtype, batch_invariant=invariant)
+                     dtype=dtype, batch_invariant=invariant, invariant_tile=tile)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -143,6 +144,17 @@ def test_smollm2_shaped_verify_blocks_and_trees_equal_one_token_steps(dtype):
   assert chain_mismatches(params, cfg, (24,)) == []
   assert chain_mismatches(params, cfg, RAGGED) == []
   assert tree_mismatches(params, cfg, (24,)) == []
+  assert tree_mismatches(params, cfg, RAGGED) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_another_tile_size_is_batch_invariant_too(dtype):
+  """`invariant_tile` = 5 (k + 1 for k = 4: a B = 1 chain verify in one tile, not
+  a multiple of the SIMD width): ragged B = 4 blocks of widths 1..17 span 1 to
+  14 tiles, rows at every position of a tile."""
+  cfg = smollm2_shapes(dtype, True, tile=5)
+  params = transformer.init(jax.random.key(0), cfg)
+  assert chain_mismatches(params, cfg, RAGGED) == []
   assert tree_mismatches(params, cfg, RAGGED) == []
 
 

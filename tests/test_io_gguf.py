@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from specjax.io import gguf as gguf_io
+from specjax.errors import ConfigValueError
 from specjax.io.gguf import GGUFError
 from specjax.io.load import load_model
 from specjax.models import transformer
@@ -160,6 +161,15 @@ def tiny_reader(tiny_gguf):
 def test_config_round_trip(tiny_gguf, tiny_model):
   assert tiny_model.cfg == tiny_gguf.cfg
   assert hash(tiny_model.cfg) == hash(tiny_gguf.cfg)
+
+
+def test_batch_invariant_settings_reach_the_config(tiny_gguf):
+  cfg = load_model(tiny_gguf.path, batch_invariant=True, invariant_tile=5).cfg
+  assert (cfg.batch_invariant, cfg.invariant_tile) == (True, 5)
+  with pytest.raises(ConfigValueError, match="needs batch_invariant=True"):
+    load_model(tiny_gguf.path, invariant_tile=5)
+  with pytest.raises(ConfigValueError, match="invariant_tile must be 0"):
+    load_model(tiny_gguf.path, batch_invariant=True, invariant_tile=-3)
 
 
 def test_every_quant_type_is_exercised(tiny_gguf, tiny_reader):

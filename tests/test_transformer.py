@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from specjax.models import cache as cache_lib
+from specjax.models import invariant
 from specjax.models import transformer
 from specjax.models.config import tiny_config
 
@@ -210,6 +211,16 @@ def test_config_validation():
     tiny_config(num_heads=4, num_kv_heads=3)
   with pytest.raises(ValueError, match="dtype"):
     tiny_config(dtype="float16")
+  for tile in (-1, 257):
+    with pytest.raises(ValueError, match="invariant_tile must be 0"):
+      tiny_config(batch_invariant=True, invariant_tile=tile)
+
+
+def test_invariant_tile_sets_the_rows_per_tile():
+  assert invariant.tile_rows("float32") == invariant.TILES[jnp.dtype("float32")]
+  assert invariant.tile_rows("bfloat16", 5) == 5
+  with pytest.raises(ValueError, match="float32 and bfloat16"):
+    invariant.tile_rows("float16", 5)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,8 +1,9 @@
 """Batch-invariant decoding (`ModelConfig.batch_invariant`): what it costs and
 what it buys.
 
-Cost, side by side in one process, each precision, the two modes interleaved
-over repeats (so both see the same machine load):
+Cost, side by side in one process, each precision, the default forward and
+the invariant one at each tile of `tiles` interleaved over repeats (so all see
+the same machine load):
 
   AR tok/s       greedy B = 1 decode of `max_new_tokens` tokens (prefill apart)
   t_verify(k+1)  one chain verify forward of k + 1 tokens per row after the
@@ -40,7 +41,9 @@ from specjax.drafters.settings import DrafterSettings
 from specjax.errors import ConfigValueError
 from specjax.io import jsonl
 from specjax.io.load import load_model
+from specjax.models.config import MAX_INVARIANT_TILE
 from specjax.models import cache as cache_lib
+from specjax.models import invariant as invariant_lib
 from specjax.models import transformer
 from specjax.settings import RunSettings, require
 
@@ -59,11 +62,15 @@ class InvarianceSettings(RunSettings):
   repeats: int = 4
   verify_calls: int = 20
   verify_batches: str = "1,4"  # t_verify(k + 1) at these batch sizes
+  # the invariant mode at these rows per tile (ModelConfig.invariant_tile; 0: the
+  # precision's default), each interleaved with the rest
+  tiles: str = "0"
   # identity: every drafter, chains and trees, on the headline prompt set
   prompts: str = questions_lib.SPEC_BENCH  # the Spec-Bench questions (without MT-Bench)
   prompt_limit: int = 10  # the first N questions of each category
   batch_size: int = 10
   modes: str = "on,off"  # batch_invariant on (the claim), off (what the default forward does)
+  identity_tile: int = 0  # the 'on' mode's rows per tile (0: the precision's default)
   methods: str = ("prompt_lookup,layer_skip,draft_model,medusa,blockwise,eagle,eagle3,lookahead,"
                   "replay,medusa_tree,eagle_tree,eagle3_tree,lookahead_tree")
   out: str = ""  # the identity log, results.json and results.md go here ('': none)
@@ -96,35 +103,39 @@ def _verify_timer(model, k: int, prompt_len: int, calls: int,
 
 
 def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
-  """AR tok/s and t_verify(k + 1) in both modes, per precision (the module
-  docstring)."""
+  """AR tok/s and t_verify(k + 1) of the default forward and of the invariant one
+  at each tile of `tiles`, per precision (the module docstring)."""
   require(c, InvarianceSettings, "invariance.cost")
   rows = []
+  modes = [None] + _tiles(c)  # None: the default forward; else the invariant one's tile
   for dtype in [d for d in c.dtypes.split(",") if d]:
-    models = {inv: load_model(c.model, dtype, batch_invariant=inv) for inv in (False, True)}
-    prompt = models[False].tokenizer.encode_prompt(c.prompt)
+    models = {m: load_model(c.model, dtype, batch_invariant=m is not None,
+                            invariant_tile=m or 0) for m in modes}
+    prompt = models[None].tokenizer.encode_prompt(c.prompt)
     batches = _batches(c)
-    timers = {(inv, b): _verify_timer(m, c.drafter.k, len(prompt), c.verify_calls, b)
-              for inv, m in models.items() for b in batches}
-    for m in models.values():  # compile (every run decodes max_new_tokens: no EOS)
-      ar.generate(m.params, m.cfg.replace(eos_id=-1), [prompt], max_new_tokens=c.max_new_tokens)
-    tps = {False: [], True: []}
+    timers = {(m, b): _verify_timer(model, c.drafter.k, len(prompt), c.verify_calls, b)
+              for m, model in models.items() for b in batches}
+    for model in models.values():  # compile (every run decodes max_new_tokens: no EOS)
+      ar.generate(model.params, model.cfg.replace(eos_id=-1), [prompt],
+                  max_new_tokens=c.max_new_tokens)
+    tps = {m: [] for m in modes}
     tv = {key: [] for key in timers}
     for r in range(c.repeats):
-      for inv in (False, True) if r % 2 == 0 else (True, False):
-        m = models[inv]
-        res = ar.generate(m.params, m.cfg.replace(eos_id=-1), [prompt],
+      for m in modes if r % 2 == 0 else modes[::-1]:
+        model = models[m]
+        res = ar.generate(model.params, model.cfg.replace(eos_id=-1), [prompt],
                           max_new_tokens=c.max_new_tokens)
-        tps[inv].append((res.num_new_tokens - 1) / res.decode_s)
+        tps[m].append((res.num_new_tokens - 1) / res.decode_s)
         for b in batches:
-          tv[(inv, b)].append(timers[(inv, b)]())
+          tv[(m, b)].append(timers[(m, b)]())
       progress(f"{dtype} repeat {r + 1}/{c.repeats}")
-    for inv in (False, True):
-      row = {"dtype": dtype, "batch_invariant": inv,
-             "ar_tokens_per_s": statistics.median(tps[inv]),
-             "ar_ratio": statistics.median(tps[inv]) / statistics.median(tps[False])}
+    for m in modes:
+      row = {"dtype": dtype, "batch_invariant": m is not None,
+             "invariant_tile": None if m is None else invariant_lib.tile_rows(dtype, m),
+             "ar_tokens_per_s": statistics.median(tps[m]),
+             "ar_ratio": statistics.median(tps[m]) / statistics.median(tps[None])}
       for b in batches:
-        t, t0 = statistics.median(tv[(inv, b)]), statistics.median(tv[(False, b)])
+        t, t0 = statistics.median(tv[(m, b)]), statistics.median(tv[(None, b)])
         row[f"t_verify_B{b}_ms"], row[f"t_verify_B{b}_ratio"] = 1e3 * t, t / t0
       rows.append(row)
   return rows
@@ -136,14 +147,17 @@ def _unit_key(dtype: str, inv: bool, method: str, ids) -> tuple:
 
 def _log_settings(c: InvarianceSettings) -> dict:
   """The settings each identity record carries, that a resumed log must match:
-  model, max_new_tokens, k, batch_size, plus any other drafter field set away
-  from its default (the default run's records hold only the four)."""
+  model, max_new_tokens, k, batch_size, plus identity_tile and the drafter fields
+  other than k when set away from their defaults (the default run's records hold
+  only the four)."""
   flat = c.flat()
   out = {"model": flat["model"], "max_new_tokens": int(flat["max_new_tokens"]),
          "k": int(flat["k"]), "batch_size": int(flat["batch_size"])}
   default = dataclasses.asdict(DrafterSettings())
   out.update({name: value for name, value in dataclasses.asdict(c.drafter).items()
               if name != "k" and value != default[name]})
+  if int(flat["identity_tile"]):
+    out["identity_tile"] = int(flat["identity_tile"])
   return out
 
 
@@ -185,7 +199,8 @@ def identity(c: InvarianceSettings, progress: Callable[[str], None],
         todo = [m for m in methods if _unit_key(dtype, inv, m, ids) not in done]
         if not todo:
           continue
-        model = model or load_model(c.model, dtype, batch_invariant=inv)
+        model = model or load_model(c.model, dtype, batch_invariant=inv,
+                                    invariant_tile=c.identity_tile if inv else 0)
         prompts = [model.tokenizer.encode_prompt(q.turns[0]) for q in unit]
         ref = ar.generate(model.params, model.cfg, prompts,
                           max_new_tokens=c.max_new_tokens).tokens
@@ -229,6 +244,18 @@ def _modes(c: InvarianceSettings) -> List[bool]:
   return [m == "on" for m in names]
 
 
+def _tiles(c: InvarianceSettings) -> List[int]:
+  """The cost part's invariant tiles (0: the precision's default), distinct."""
+  try:
+    tiles = list(dict.fromkeys(int(t) for t in str(c.tiles).split(",") if t.strip()))
+  except ValueError:
+    raise ConfigValueError(f"tiles must be comma-separated integers, got {c.tiles!r}") from None
+  if not tiles or any(not 0 <= t <= MAX_INVARIANT_TILE for t in tiles):
+    raise ConfigValueError(f"tiles must be 0 (the precision's default) or 1..{MAX_INVARIANT_TILE} "
+                           f"rows each, got {c.tiles!r}")
+  return tiles
+
+
 def _batches(c: InvarianceSettings) -> List[int]:
   return [int(b) for b in str(c.verify_batches).split(",") if b]
 
@@ -237,13 +264,16 @@ def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]
              c: InvarianceSettings) -> str:
   out = []
   if cost_rows:
-    out += ["Cost of batch invariance (SmolLM2-135M, B = 1, greedy; the two modes "
-            f"interleaved, {c.repeats} repeats, medians; k = {c.drafter.k}).", "",
-            "| dtype | batch_invariant | AR tok/s (B = 1) | vs default | "
+    out += ["Cost of batch invariance (SmolLM2-135M, greedy; the modes "
+            f"interleaved, {c.repeats} repeats, medians; k = {c.drafter.k}; tile: the "
+            "invariant forward's rows per tile).", "",
+            "| dtype | batch_invariant | tile | AR tok/s (B = 1) | vs default | "
             + " | ".join(f"t_verify(k+1) B = {b} ms | vs default" for b in _batches(c)) + " |",
-            "|---|---|---|---|" + "---|---|" * len(_batches(c))]
+            "|---|---|---|---|---|" + "---|---|" * len(_batches(c))]
     for r in cost_rows:
-      out.append(f"| {r['dtype']} | {r['batch_invariant']} | {r['ar_tokens_per_s']:.1f} | "
+      tile = r.get("invariant_tile") or "-"
+      out.append(f"| {r['dtype']} | {r['batch_invariant']} | {tile} | "
+                 f"{r['ar_tokens_per_s']:.1f} | "
                  f"{r['ar_ratio']:.2f}x | " + " | ".join(
                      f"{r[f't_verify_B{b}_ms']:.1f} | {r[f't_verify_B{b}_ratio']:.2f}x"
                      for b in _batches(c)) + " |")

@@ -81,7 +81,7 @@ ALL = "all"
 SETTINGS = ("model", "dtype", "k", "temperature", "top_k", "top_p", "batch_size",
             "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model",
             "checkpoint", "draft_vocab", "tree_nodes", "tree_mode", "tree_topk", "tree_width",
-            "draft_stop", "mesh", "batch_invariant")
+            "draft_stop", "mesh", "batch_invariant", "invariant_tile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,7 @@ class BenchmarkSettings(RunSettings):
   # decode forwards bit for bit independent of the block (specjax.models.invariant):
   # greedy speculative output equals greedy AR token for token; slower
   batch_invariant: bool = False
+  invariant_tile: int = 0  # its rows per tile (ModelConfig.invariant_tile; 0: the default)
   prompts: str = SPEC_BENCH  # any JSONL file in Spec-Bench's format
   methods: str = "prompt_lookup,layer_skip"  # comma-separated drafters; AR is always run
   prompt_limit: Optional[int] = None  # questions per category; None: all
@@ -336,8 +337,10 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
 
 def _settings(c: BenchmarkSettings) -> dict:
   out = report.config_settings(c.flat(), SETTINGS)
-  if not out["batch_invariant"]:  # off: records match those written before the setting existed
-    del out["batch_invariant"]
+  # unset: records match those written before the setting existed
+  for key in ("batch_invariant", "invariant_tile"):
+    if not out[key]:
+      del out[key]
   return out
 
 
@@ -422,7 +425,8 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
   t_work = time.perf_counter()
   for n, unit in enumerate(todo):
     if engine is None:
-      model = model or load_model(c.model, c.dtype, batch_invariant=c.batch_invariant)
+      model = model or load_model(c.model, c.dtype, batch_invariant=c.batch_invariant,
+                                  invariant_tile=c.invariant_tile)
       engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed),
                       mesh=sharding.mesh_of(c.mesh))
     missing = [m for m in methods if (unit_id(unit), m) not in done]
@@ -471,7 +475,7 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
     missing = [m for m in methods if m not in calib]
     if missing and primary:
       model = model or (engine.model if engine else load_model(
-          c.model, c.dtype, batch_invariant=c.batch_invariant))
+          c.model, c.dtype, batch_invariant=c.batch_invariant, invariant_tile=c.invariant_tile))
       progress("calibrating: forward cost t_verify(n) and each drafter's proposal cost")
       calib.update(calibrate_lib.calibrate(model, c.drafter, missing, units[0], sampling,
                                            int(c.max_new_tokens)))

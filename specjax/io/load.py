@@ -9,7 +9,7 @@ from typing import Optional
 from specjax.errors import ConfigValueError
 from specjax.io import gguf as gguf_io
 from specjax.io import tokenizer as tokenizer_lib
-from specjax.models.config import ModelConfig
+from specjax.models.config import MAX_INVARIANT_TILE, ModelConfig
 
 
 @dataclasses.dataclass
@@ -23,7 +23,8 @@ class Model:
 
 
 def load_model(name_or_path: str, dtype: Optional[str] = None,
-               tokenizer_from: Optional[str] = None, batch_invariant: bool = False) -> Model:
+               tokenizer_from: Optional[str] = None, batch_invariant: bool = False,
+               invariant_tile: int = 0) -> Model:
   """Load a model offline.
 
   Args:
@@ -35,21 +36,30 @@ def load_model(name_or_path: str, dtype: Optional[str] = None,
       metadata only).
     batch_invariant: decode-time forwards computed bit for bit independently
       of the block a row is in (`ModelConfig.batch_invariant`).
+    invariant_tile: rows per tile of the batch-invariant forward
+      (`ModelConfig.invariant_tile`; 0: the precision's default). Needs
+      `batch_invariant`.
   """
   dtype = dtype or "float32"
   if dtype not in ("float32", "bfloat16"):
     raise ConfigValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+  if invariant_tile and not batch_invariant:
+    raise ConfigValueError(f"invariant_tile={invariant_tile} sizes the batch-invariant forward's "
+                           "tiles; it needs batch_invariant=True")
+  if not 0 <= int(invariant_tile) <= MAX_INVARIANT_TILE:
+    raise ConfigValueError(f"invariant_tile must be 0 (the precision's default) or "
+                           f"1..{MAX_INVARIANT_TILE} rows, got {invariant_tile}")
+  inv = dict(batch_invariant=bool(batch_invariant), invariant_tile=int(invariant_tile))
   if os.path.isdir(name_or_path):
     from specjax.io import hf  # pylint: disable=import-outside-toplevel
 
     params, cfg = hf.load_hf(name_or_path, dtype=dtype)
-    cfg = cfg.replace(batch_invariant=bool(batch_invariant))
+    cfg = cfg.replace(**inv)
     tok = tokenizer_lib.load_tokenizer(tokenizer_from) if tokenizer_from else None
     return Model(params, cfg, tok, name_or_path)
   path = gguf_io.resolve_model_path(name_or_path)
   reader = gguf_io.open_gguf(path)
-  cfg = gguf_io.read_config(reader, path).replace(dtype=dtype,
-                                                  batch_invariant=bool(batch_invariant))
+  cfg = gguf_io.read_config(reader, path).replace(dtype=dtype, **inv)
   tok = tokenizer_lib.tokenizer_from_gguf(reader, path)
   params = gguf_io.load_params(reader, cfg, path)
   return Model(params, cfg, tok, path)

@@ -7,6 +7,11 @@ import dataclasses
 import jax.numpy as jnp
 
 
+# The largest tile of the batch-invariant forward: its per-row attention views
+# are (tile, slots, kv heads, head dim) gathers, and no decode block is larger.
+MAX_INVARIANT_TILE = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Hyper-parameters of a Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU).
@@ -36,6 +41,13 @@ class ModelConfig:
   # (`specjax.models.invariant`): greedy speculative decoding then equals
   # greedy AR token for token. Opt-in; slower.
   batch_invariant: bool = False
+  # Rows per tile of the batch-invariant forward (0: the precision's default,
+  # `specjax.models.invariant.TILES`). Every decode-time forward pads its B x T
+  # rows to whole tiles of this size, so its cost is a step function of B x T:
+  # a tile of B * (k + 1) verifies a chain in one tile (cheapest speculative
+  # runs) and makes each AR step pay a whole tile. Bits depend on it: compare
+  # runs made with the same tile.
+  invariant_tile: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads",
@@ -47,6 +59,9 @@ class ModelConfig:
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+    if not 0 <= self.invariant_tile <= MAX_INVARIANT_TILE:
+      raise ValueError(f"ModelConfig.invariant_tile must be 0 (the precision's default) or "
+                       f"1..{MAX_INVARIANT_TILE} rows, got {self.invariant_tile}")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
 

@@ -12,7 +12,10 @@ With `ModelConfig.batch_invariant`, decode-time forwards (AR steps, chain and
 tree verification; prefill excluded, it is shared) run here instead:
 
 * the B x T new tokens are flattened to rows and padded to whole tiles of
-  `tile_rows(dtype)` rows; every row-wise computation runs tile by tile in a
+  `tile_rows(dtype, ModelConfig.invariant_tile)` rows (one tile size for
+  every forward of a model: XLA CPU fuses a tile's softmax and SwiGLU with
+  rounding that depends on the tile's row count, so a size chosen per block
+  would break the invariance); every row-wise computation runs tile by tile in a
   loop whose trip count XLA cannot see (so one compiled body serves every width, and a
   one-tile block is not inlined and re-fused differently);
 * every matmul has one formulation for its precision, applied to a whole
@@ -56,13 +59,15 @@ from specjax.models.config import ModelConfig
 TILES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 16}
 
 
-def tile_rows(dtype) -> int:
-  """Rows per tile of the batch-invariant forward for weights of `dtype`."""
+def tile_rows(dtype, tile: int = 0) -> int:
+  """Rows per tile of the batch-invariant forward for weights of `dtype`:
+  `tile` (`ModelConfig.invariant_tile`) when set, else the precision's default."""
   try:
-    return TILES[jnp.dtype(dtype)]
+    default = TILES[jnp.dtype(dtype)]
   except KeyError:
     raise ValueError(f"batch_invariant supports float32 and bfloat16 weights, not "
                      f"{jnp.dtype(dtype).name}") from None
+  return int(tile) or default
 
 
 def _tiled(f, *xs):
@@ -125,7 +130,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
   s = cache.num_slots
   length = cache.length
   rows = b * t
-  tile = tile_rows(cfg.dtype)
+  tile = tile_rows(cfg.dtype, cfg.invariant_tile)
   n_tiles = -(-rows // tile)
   pad = n_tiles * tile - rows
   hq, hkv, dh, g = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.group_size
