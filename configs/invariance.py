@@ -6,6 +6,8 @@ interleaved) and greedy speculative == greedy AR token for token with it on
   python experiments/invariance.py --config=configs/invariance.py:quick   # cost, seconds
   python experiments/invariance.py --config=configs/invariance.py --config.parts=cost \
       --config.tiles=0,5,20   # the invariant forward at several rows per tile
+  python experiments/invariance.py --config=configs/invariance.py --config.parts=bitwise \
+      --config.tiles=0,5,20   # SmolLM2's verify blocks vs one-token steps, bit for bit
   python experiments/invariance.py --config=configs/invariance.py:small   # identity, 1 question per category
   python experiments/invariance.py --config=configs/invariance.py --config.parts=report \
       --config.modes=on --config.out=/work/inv_identity   # the table of what a (partial) run logged
@@ -27,10 +29,10 @@ _spec.loader.exec_module(common)
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   # The run's fields, one default each: specjax.benchmarks.invariance.InvarianceSettings
-  # (model, dtypes, parts; cost: prompt, max_new_tokens, repeats, verify_calls,
-  # verify_batches, tiles; identity: prompts (Spec-Bench), prompt_limit, batch_size, modes,
-  # identity_tile, methods; out), and the drafters' (k: the draft length and the verify
-  # block).
+  # (model, dtypes, parts (cost, identity, report, bitwise); cost and bitwise: tiles;
+  # cost: prompt, max_new_tokens, repeats, verify_calls, verify_batches; identity:
+  # prompts (Spec-Bench), prompt_limit, batch_size, modes, identity_tile, methods; out),
+  # and the drafters' (k: the draft length and the verify block).
   common.settings_fields(c, invariance.InvarianceSettings)
   if arg == "quick":
     c.parts, c.repeats, c.verify_calls, c.max_new_tokens = "cost", 1, 3, 8

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
+from specjax.analysis import bitwise
 from specjax.benchmarks import questions as questions_lib
 from specjax.benchmarks import report
 from specjax.decoding import autoregressive as ar
@@ -54,7 +55,9 @@ class InvarianceSettings(RunSettings):
 
   model: str = "smollm2-135m"
   dtypes: str = "float32,bfloat16"
-  # or "report": the identity table from `out`/identity.jsonl, nothing run
+  # or "report": the identity table from `out`/identity.jsonl, nothing run; "bitwise":
+  # verify blocks vs one-token steps bit for bit on `model` at each tile of `tiles`
+  # (and the default forward, the control): specjax.analysis.bitwise
   parts: str = "cost,identity"
   # cost
   prompt: str = "Write a long story about a lighthouse keeper who finds a message in a bottle."
@@ -62,8 +65,8 @@ class InvarianceSettings(RunSettings):
   repeats: int = 4
   verify_calls: int = 20
   verify_batches: str = "1,4"  # t_verify(k + 1) at these batch sizes
-  # the invariant mode at these rows per tile (ModelConfig.invariant_tile; 0: the
-  # precision's default), each interleaved with the rest
+  # cost and bitwise: the invariant forward at these rows per tile
+  # (ModelConfig.invariant_tile; 0: the precision's default), beside the default forward
   tiles: str = "0"
   # identity: every drafter, chains and trees, on the headline prompt set
   prompts: str = questions_lib.SPEC_BENCH  # the Spec-Bench questions (without MT-Bench)
@@ -138,6 +141,27 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
         t, t0 = statistics.median(tv[(m, b)]), statistics.median(tv[(None, b)])
         row[f"t_verify_B{b}_ms"], row[f"t_verify_B{b}_ratio"] = 1e3 * t, t / t0
       rows.append(row)
+  return rows
+
+
+def bitwise_check(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
+  """Per precision and tile of `tiles` (and the default forward, which should
+  mismatch): the chain widths (`bitwise.FEW_WIDTHS`) and tree nodes whose
+  verify logits differ from one-token steps on `model`, a ragged B = 4."""
+  require(c, InvarianceSettings, "invariance.bitwise_check")
+  rows = []
+  for dtype in [d for d in c.dtypes.split(",") if d]:
+    model = load_model(c.model, dtype)
+    for tile in [None] + _tiles(c):  # None: the default forward
+      cfg = model.cfg.replace(batch_invariant=tile is not None, invariant_tile=tile or 0)
+      chain = bitwise.chain_mismatches(model.params, cfg, bitwise.RAGGED, bitwise.FEW_WIDTHS)
+      tree = bitwise.tree_mismatches(model.params, cfg, bitwise.RAGGED)
+      rows.append({"dtype": dtype, "batch_invariant": tile is not None,
+                   "invariant_tile": None if tile is None else invariant_lib.tile_rows(dtype, tile),
+                   "widths": list(bitwise.FEW_WIDTHS), "tree_nodes": len(bitwise.PARENT),
+                   "chain_mismatches": chain, "tree_mismatches": tree})
+      progress(f"{dtype} tile {rows[-1]['invariant_tile'] or '-'}: {len(chain)} widths and "
+               f"{len(tree)} tree nodes differ")
   return rows
 
 
@@ -261,8 +285,19 @@ def _batches(c: InvarianceSettings) -> List[int]:
 
 
 def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]],
-             c: InvarianceSettings) -> str:
+             c: InvarianceSettings, bitwise_rows: Optional[List[dict]] = None) -> str:
   out = []
+  if bitwise_rows:
+    out += [f"Verify blocks vs one-token steps, bit for bit ({c.model}, ragged B = 4 at "
+            f"lengths {list(bitwise.RAGGED)}, chain widths {list(bitwise.FEW_WIDTHS)}, a tree "
+            f"of {len(bitwise.PARENT)} nodes; the default forward is the control):", "",
+            "| dtype | batch_invariant | tile | chain widths that differ (max abs diff) | "
+            "tree nodes that differ |", "|---|---|---|---|---|"]
+    for r in bitwise_rows:
+      chain = ", ".join(f"{w} ({d:.1e})" for w, d in r["chain_mismatches"]) or "none"
+      out.append(f"| {r['dtype']} | {r['batch_invariant']} | {r['invariant_tile'] or '-'} | "
+                 f"{chain} | {len(r['tree_mismatches'])} of {r['tree_nodes'] + 1} |")
+    out.append("")
   if cost_rows:
     out += ["Cost of batch invariance (SmolLM2-135M, greedy; the modes "
             f"interleaved, {c.repeats} repeats, medians; k = {c.drafter.k}; tile: the "
@@ -297,14 +332,15 @@ def run(c: InvarianceSettings, progress: Optional[Callable[[str], None]] = None)
   require(c, InvarianceSettings, "invariance.run")
   progress = progress or (lambda s: print(s, flush=True))
   parts = [p for p in c.parts.split(",") if p]
-  unknown = set(parts) - {"cost", "identity", "report"}
+  unknown = set(parts) - {"cost", "identity", "report", "bitwise"}
   if unknown or not parts:
-    raise ConfigValueError(f"parts must be a comma-separated subset of 'cost,identity,report', "
-                           f"got {c.parts!r}")
+    raise ConfigValueError(f"parts must be a comma-separated subset of "
+                           f"'cost,identity,report,bitwise', got {c.parts!r}")
   if "report" in parts and not c.out:
     raise ConfigValueError("parts=report renders `out`/identity.jsonl: set out")
+  bitwise_rows = bitwise_check(c, progress) if "bitwise" in parts else None
   cost_rows = cost(c, progress) if "cost" in parts else None
   identity_rows = (identity(c, progress) if "identity" in parts else
                    identity(c, progress, run=False) if "report" in parts else None)
-  return {"cost": cost_rows, "identity": identity_rows,
-          "markdown": markdown(cost_rows, identity_rows, c)}
+  return {"cost": cost_rows, "identity": identity_rows, "bitwise": bitwise_rows,
+          "markdown": markdown(cost_rows, identity_rows, c, bitwise_rows)}
