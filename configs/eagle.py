@@ -7,6 +7,8 @@
   python experiments/train.py --config=configs/eagle.py:reduced_nocode_rr  # + prefixes round-robin over the sources
   python experiments/train.py --config=configs/eagle.py:reduced_wd  # (or reduced_nocode_wd) + weight decay 0.1
   python experiments/train.py --config=configs/eagle.py:reduced_dropout  # + feature dropout 0.1
+  python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq  # (or reduced_seq) + loss on prompt positions
+  python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref  # + datasets' reference answers
   python experiments/train.py --config=configs/eagle.py:tiny      # seconds, tests
 
 Self-distillation data is generated (and resumed) at `data_path` (default
@@ -65,6 +67,12 @@ def get_config(arg=None, method="eagle"):
   elif arg in ("reduced_wd", "reduced_nocode_wd"):  # + AdamW weight decay 0.1
     c = get_config(arg[:-3], method)
     c.update(dict(weight_decay=0.1, workdir=c.workdir + "_wd", export=c.export + "_wd"))
+  elif arg in ("reduced_seq", "reduced_nocode_seq"):  # + the loss on the prompt's positions too
+    c = get_config(arg[:-4], method)
+    c.update(dict(loss_positions="sequence", workdir=c.workdir + "_seq", export=c.export + "_seq"))
+  elif arg == "reduced_nocode_seq_ref":  # + 4,800 datasets' reference answers (teacher-forced)
+    c = get_config("reduced_nocode_seq", method)
+    c.update(dict(reference_examples=4800, workdir=c.workdir + "_ref", export=c.export + "_ref"))
   elif arg == "reduced_dropout":  # + dropout 0.1 on the fused target features
     c = get_config("reduced", method)
     c.update(dict(feature_dropout=0.1, workdir=c.workdir + "_drop", export=c.export + "_drop"))
@@ -74,5 +82,5 @@ def get_config(arg=None, method="eagle"):
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
                      "(known: tiny, reduced, reduced_init, reduced_nocode, reduced_nocode_rr, reduced_wd, reduced_nocode_wd, "
-                     "reduced_dropout, tiny_reduced)")
+                     "reduced_seq, reduced_nocode_seq, reduced_nocode_seq_ref, reduced_dropout, tiny_reduced)")
   return c

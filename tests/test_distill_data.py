@@ -116,3 +116,23 @@ def test_select_holds_out_a_stratified_set_and_nests_training_prefixes():
   assert [r["id"] for r in every if r["id"].startswith("xsum")] == [f"xsum/{i}" for i in range(10)]
   with pytest.raises(ValueError, match="unknown train_order 'random'"):
     distill_data.select(recs, train_order="random")
+
+
+def test_reference_answers_join_the_training_records_only(smollm2):
+  """TrainSettings.reference_examples: the datasets' reference answers are
+  added after the selection, to training only, from train_sources' sources,
+  never for an example the data already answers."""
+  from specjax.training import run
+  from specjax.training.settings import TrainSettings
+  tok = smollm2.tokenizer
+  mine = [{"id": f"gsm8k_train/{i}", "split": "train", "prompt": [1, 2], "answer": [3, 4],
+           "sampling": None, "seed": 0} for i in range(3)]
+  train, valid = distill_data.select(mine, valid_ids=["gsm8k_train/2"])
+  c = TrainSettings(method="eagle3", reference_examples=5, sources="alpaca,gsm8k_train",
+                    train_sources="gsm8k_train")
+  out = run.with_references(c, tok, mine, train)
+  assert out[:len(train)] == train and len(out) == len(train) + 5
+  ref_ids = {r["id"] for r in out[len(train):]}
+  assert all(i.startswith("ref:gsm8k_train/") for i in ref_ids)
+  assert not ref_ids & {"ref:" + r["id"] for r in mine}  # validation's example too
+  assert valid == [mine[2]]

@@ -384,3 +384,27 @@ def test_feature_dropout_zeroes_the_fused_features_in_training_steps_only(tiny_t
   assert losses[0] == losses[1] and losses[0] != losses[2]
   with pytest.raises(ValueError, match="dropout"):
     eagle_train.make_step(opt, m.params, cfg, dropout=1.0)
+
+
+def test_loss_on_prompt_positions_reaches_the_gradient_only_when_asked(tiny_target):
+  """The step's loss reads batch["loss"] when present (loss_positions =
+  'sequence'), else the answer mask: a "loss" mask equal to the answer mask
+  gives the same loss, a wider one another; bad settings are refused by name."""
+  m = tiny_target
+  cfg, t = m.cfg, 10
+  head = eagle.init_head(jax.random.key(0), cfg, fused=True)
+  rng = np.random.default_rng(2)
+  answer = jnp.asarray((np.arange(t) >= 6)[None], jnp.float32)
+  batch = {"g": jnp.asarray(rng.standard_normal((1, t, 3 * cfg.dim)), jnp.float32),
+           "tokens": jnp.asarray(rng.integers(3, cfg.vocab_size, (1, t)), jnp.int32),
+           "positions": jnp.arange(t, dtype=jnp.int32)[None], "answer": answer,
+           "f_next": jnp.asarray(rng.standard_normal((1, t, cfg.dim)), jnp.float32)}
+  loss = jax.jit(lambda b: eagle_train.loss_fn(head, m.params, cfg, b, None, None, steps=2,
+                                               w_reg=0.0, w_cls=1.0, decay=0.8)[0])
+  base = float(loss(batch))
+  assert float(loss(dict(batch, loss=answer))) == base
+  assert float(loss(dict(batch, loss=jnp.ones((1, t), jnp.float32)))) != base
+  for bad, match in ((dict(loss_positions="prompt"), "unknown loss_positions"),
+                     (dict(loss_positions="sequence", context="window"), "needs context")):
+    with pytest.raises(ValueError, match=match):
+      run.check_loss_positions(TrainSettings(method="eagle3", **bad))

@@ -63,3 +63,26 @@ def test_validation_sequences_are_whole_and_in_order():
     np.testing.assert_array_equal(w["positions"], np.arange(pool.width(i)))
     assert w["answer"].sum() == n - 1 - max(plen - 2, 0)  # labels x_plen .. x_{n-1}
   assert len(pool.eval_sequences(2)) == 2
+
+
+def test_loss_on_the_sequence_covers_every_label_after_the_shared_head():
+  # three sequences sharing a 3-token head (a chat template's system turn)
+  shapes = [(12, 6), (20, 9), (9, 5)]
+  rng = np.random.default_rng(3)
+  tokens = [np.concatenate([[7, 8, 9], 100 * (i + 1) + np.arange(n - 3)]).astype(np.int32)
+            for i, (n, _) in enumerate(shapes)]
+  final = [rng.standard_normal((n, D)).astype(np.float32) for n, _ in shapes]
+  pool = eagle_train.SeqPool(tokens, final, [None] * 3, [p for _, p in shapes])
+  assert "loss" not in pool.window(0, 0, 64)  # default: the answer only
+  assert pool.num_loss_positions == pool.num_positions
+  assert pool.train_on_sequence() == 3
+  for i, (n, plen) in enumerate(shapes):
+    w = pool.window(i, 0, 64)
+    j = np.arange(64)
+    # the label x_{j+2} is past the shared head: j + 2 >= 3; prompt labels included
+    np.testing.assert_array_equal(w["loss"], ((j + 1 < n) & (j + 2 >= 3)).astype(np.float32))
+    # the answer mask (validation, epochs) is unchanged
+    np.testing.assert_array_equal(w["answer"], ((j + 1 < n) & (j + 2 >= plen)))
+    assert w["loss"].sum() > w["answer"].sum()
+  assert pool.num_loss_positions == sum(n - 3 for n, _ in shapes)
+  assert pool.num_positions == sum(n - plen for n, plen in shapes)

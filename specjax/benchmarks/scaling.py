@@ -124,6 +124,8 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
     est = out["estimate"]
     row = {"positions": p["positions"], "seed": p["seed"], "steps": out["step"],
            "best_step": out["best_step"], "early_stopped": out["early_stopped"],
+           # the answer positions trained on (the prefix, + any reference answers)
+           "train_positions": out["train_positions"],
            "valid_tau": est["tau"], "train_tau": out["train_estimate"]["tau"],
            **{f"top1_{s}": est[f"top1_{s}"] for s in range(c.eval_k)},
            "bench": {r["category"]: {"tau": r["tau"], "alpha": r["alpha"]} for r in rows}}

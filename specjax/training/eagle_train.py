@@ -35,6 +35,7 @@ per round of a k-chain.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import jax
@@ -59,6 +60,9 @@ class SeqPool:
     self.tokens, self.final, self.taps, self.plen = tokens, final, taps, plen
     self.top_ids, self.top_p = top_ids, top_p  # the teacher's top-K per position, or None
     self._by_width = None  # (buckets, widths, shares), by _buckets
+    # per sequence, the first label index trained on when the loss covers more
+    # than the answer (`train_on_sequence`); None: the answer only
+    self.loss_start: Optional[List[int]] = None
 
   def __len__(self):
     return len(self.tokens)
@@ -92,6 +96,28 @@ class SeqPool:
       total, n = total + mass.sum(), n + len(mass)
     return total / max(n, 1)
 
+  def train_on_sequence(self) -> int:
+    """Put the loss on every position whose label follows the chat template's
+    shared head (the system turn and the user header, the same tokens in every
+    sequence), prompt positions included, instead of on the answer only.
+
+    The labels are the target's own distributions at every position, so a
+    prompt position is as true a sample of the feature -> next-token map as an
+    answer position, and a whole-sequence batch runs the head over the prompt
+    anyway: the extra supervision costs no compute. The tau estimate and the
+    epoch count stay on answer positions. Returns the shared head's length."""
+    shared = os.path.commonprefix([list(t) for t in self.tokens]) if len(self) > 1 else []
+    self.loss_start = [len(shared)] * len(self)
+    return len(shared)
+
+  @property
+  def num_loss_positions(self) -> int:
+    """Positions the loss covers (the answer's, or more: `train_on_sequence`)."""
+    if self.loss_start is None:
+      return self.num_positions
+    return int(sum(max(len(t) - max(s - 1, 0) - 1, 0) for t, s in zip(self.tokens,
+                                                                   self.loss_start)))
+
   def window(self, i: int, start: int, t: int) -> dict:
     """Window of positions start .. start + t - 1 of sequence i (padded)."""
     tok, f, tp, plen = self.tokens[i], self.final[i], self.taps[i], self.plen[i]
@@ -112,6 +138,9 @@ class SeqPool:
             "p_top": np.where(ok_in[:, None], self.top_p[i][j1], 0).astype(np.float32)}),
         # the label x_{j+2} ~ p_{j+1} is an answer token
         "answer": (ok_in & (j + 2 >= plen)).astype(np.float32),
+        # the positions the loss covers (the answer's unless `train_on_sequence`)
+        **({} if self.loss_start is None else {
+            "loss": (ok_in & (j + 2 >= self.loss_start[i])).astype(np.float32)}),
         "d": d,
     }
 
@@ -294,8 +323,9 @@ def loss_fn(head, target_params, cfg, batch, vocab, noise, *, steps: int, w_reg:
   p_sub = jax.lax.stop_gradient(p_sub)
   total, metrics = 0.0, {}
   tpos = jnp.arange(batch["tokens"].shape[1])
+  on = batch.get("loss", batch["answer"])  # the positions trained on
   for s, a in enumerate(outs):
-    mask = batch["answer"] * (tpos >= s)[None]
+    mask = on * (tpos >= s)[None]
     denom = jnp.maximum(jnp.sum(mask), 1.0)
     logits = eagle.draft_logits(head, target_params, cfg, a, lm_w)
     logq = jax.nn.log_softmax(logits, -1)

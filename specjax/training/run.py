@@ -80,15 +80,6 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
         max_prompt_tokens=c.max_prompt_tokens, batch_size=c.gen_batch_size,
         sample_fraction=c.sample_fraction, valid_fraction=c.valid_fraction,
         model_name=c.model, progress=progress))
-  n_ref = c.reference_examples
-  if n_ref and model.tokenizer is not None:
-    ref = distill_data.reference_records(
-        model.tokenizer, sources=_names(c.sources), num_examples=n_ref,
-        seed=c.seed + 1, max_prompt_tokens=c.max_prompt_tokens,
-        max_answer_tokens=c.max_new_tokens, valid_fraction=c.valid_fraction,
-        skip_ids=[r["id"] for r in records])
-    progress(f"data: + {len(ref)} reference answers of the datasets")
-    records = records + ref
   valid_ids = None
   if c.valid_ids_path:
     with open(c.valid_ids_path) as f:
@@ -98,6 +89,8 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
                                                valid_ids=valid_ids,
                                                train_sources=_names(c.train_sources),
                                                train_order=c.train_order)
+  if c.reference_examples and model.tokenizer is not None:
+    train_recs = with_references(c, model.tokenizer, records, train_recs, progress)
   train_seqs = distill_data.sequences(train_recs)
   valid_seqs = distill_data.sequences(valid_recs) or train_seqs[:2]
   progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")
@@ -207,6 +200,38 @@ def _warm_start(c: TrainSettings, model: Model, init, progress):
   return jax.tree.map(lambda a, b: jnp.asarray(b, a.dtype), init, sub)
 
 
+def with_references(c: TrainSettings, tokenizer, records, train_recs, progress=None):
+  """train_recs + `c.reference_examples` datasets' reference answers.
+
+  Extra training data on top of the selected records (a train_positions
+  prefix counts the target's answers only), from train_sources' sources (else
+  `sources`); never validation, which measures the target's own answers, as
+  drafting meets them. Examples the data already answers (validation's
+  included) are left out."""
+  ref = distill_data.reference_records(
+      tokenizer, sources=_names(c.train_sources) or _names(c.sources),
+      num_examples=c.reference_examples, seed=c.seed + 1,
+      max_prompt_tokens=c.max_prompt_tokens, max_answer_tokens=c.max_new_tokens,
+      valid_fraction=c.valid_fraction, skip_ids=[r["id"] for r in records])
+  if progress:
+    progress(f"data: + {len(ref)} reference answers of the datasets "
+             f"({sum(len(r['answer']) for r in ref)} answer tokens), training only")
+  return list(train_recs) + ref
+
+
+LOSS_POSITIONS = ("answer", "sequence")
+
+
+def check_loss_positions(c: TrainSettings) -> None:
+  """A ValueError naming the problem, before any feature is computed."""
+  if c.loss_positions not in LOSS_POSITIONS:
+    raise ValueError(f"unknown loss_positions {c.loss_positions!r} (known: "
+                     f"{', '.join(LOSS_POSITIONS)})")
+  if c.loss_positions == "sequence" and c.context != "sequence":
+    raise ValueError("loss_positions='sequence' needs context='sequence' (windows start "
+                     "near the answer and hold little of the prompt)")
+
+
 def _epoch_steps(c: TrainSettings, pool, batch_fn) -> TrainSettings:
   """c with `steps` set from `epochs`: epochs x the training answer positions /
   the mean answer positions of a batch (from the run's first 16 batches)."""
@@ -235,6 +260,7 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
   cfg = model.cfg
   fused = c.method == "eagle3"
   taps = eagle.eagle3_layers(cfg) if fused else ()
+  check_loss_positions(c)
   t0 = time.perf_counter()
   pool, vpool = _pools("features", lambda: (
       eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len, taps=taps,
@@ -258,6 +284,10 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
   if c.context not in ("sequence", "window"):
     raise ValueError(f"unknown context {c.context!r} for EAGLE training (known: sequence, "
                      "window)")
+  if c.loss_positions == "sequence":
+    shared = pool.train_on_sequence()
+    progress(f"loss on every position after the {shared}-token shared head: "
+             f"{pool.num_loss_positions} positions ({pool.num_positions} of them answers)")
 
   def batch_fn(step):
     rng = np.random.default_rng([c.seed, step])

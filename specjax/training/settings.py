@@ -50,7 +50,9 @@ class TrainSettings(RunSettings):
   train_order: str = "file"
   seed: int = 0
   # + this many datasets' reference answers (teacher-forced through the target:
-  # one forward each instead of a generation)
+  # one forward each instead of a generation), added to the training records
+  # after the selection above (train_sources' sources, else `sources`; never
+  # validation)
   reference_examples: int = 0
   # features
   seq_len: int = 384
@@ -106,6 +108,11 @@ class TrainSettings(RunSettings):
   # target's final norm); None = a random layer
   head_init_layer: Optional[int] = None
   context: str = "sequence"
+  # the positions the loss covers: 'answer', or 'sequence' (every position
+  # after the chat template's shared head, the prompt's included: the target's
+  # distribution is a label at every position; needs context='sequence').
+  # Validation and the epoch count stay on answer positions.
+  loss_positions: str = "answer"
   batch_tokens: int = 1024
   window: int = 128
   batch_windows: int = 4
@@ -139,7 +146,7 @@ class TrainSettings(RunSettings):
 _EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "feature_dropout", "decay",
           "teacher_top_k",
           "head_init_layer",
-          "context", "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows",
+          "context", "loss_positions", "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows",
           "train_eval_sequences")
 # each method's own fields (the others of its config are shared)
 METHOD_FIELDS = {
