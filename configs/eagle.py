@@ -70,9 +70,9 @@ def get_config(arg=None, method="eagle"):
   elif arg in ("reduced_seq", "reduced_nocode_seq"):  # + the loss on the prompt's positions too
     c = get_config(arg[:-4], method)
     c.update(dict(loss_positions="sequence", workdir=c.workdir + "_seq", export=c.export + "_seq"))
-  elif arg == "reduced_nocode_seq_ref":  # + 4,800 datasets' reference answers (teacher-forced)
+  elif arg == "reduced_nocode_seq_ref":  # + 2,400 datasets' reference answers (teacher-forced)
     c = get_config("reduced_nocode_seq", method)
-    c.update(dict(reference_examples=4800, workdir=c.workdir + "_ref", export=c.export + "_ref"))
+    c.update(dict(reference_examples=2400, workdir=c.workdir + "_ref", export=c.export + "_ref"))
   elif arg == "reduced_dropout":  # + dropout 0.1 on the fused target features
     c = get_config("reduced", method)
     c.update(dict(feature_dropout=0.1, workdir=c.workdir + "_drop", export=c.export + "_drop"))
