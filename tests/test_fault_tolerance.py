@@ -258,6 +258,30 @@ def test_store_restores_only_complete_matching_checkpoints(tmp_path):
   store.close()
 
 
+def test_store_retires_what_a_kill_after_a_commit_left(tmp_path):
+  # a kill after step 3's commit, before orbax retired step 1, leaves three
+  # steps of a keep-two store; with no later save nothing else retires it
+  d = tmp_path / "state"
+  store = state_store.StateStore(str(d), max_to_keep=3)
+  for s in (1, 2, 3):
+    store.save(s, _tree(float(s)))
+  store.close()
+  store = state_store.StateStore(str(d), max_to_keep=2)
+  assert store.steps() == [2, 3] and sorted(os.listdir(d)) == ["2", "3"]
+  store.close()
+  # keep-best: the best one stays, whatever its age
+  b = tmp_path / "best"
+  store = state_store.StateStore(str(b), max_to_keep=4, best_metric="tau")
+  for s, tau in ((1, 1.5), (2, 2.0), (3, 1.0), (4, 2.0)):
+    store.save(s, _tree(float(s)), metrics={"tau": tau})
+  store.close()
+  store = state_store.StateStore(str(b), max_to_keep=1, best_metric="tau")
+  assert store.steps() == [1, 2, 3, 4]  # opening a keep-best store retires nothing ...
+  store.delete_after(3)  # ... its resume does: step 4 is redone, then the best of the rest
+  assert store.steps() == [2] and store.best_step() == 2
+  store.close()
+
+
 def test_jsonl_drops_a_last_line_cut_short(tmp_path):
   path = str(tmp_path / "log.jsonl")
   jsonl.append(path, [{"a": 1}, {"a": 2}])

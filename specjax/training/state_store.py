@@ -11,7 +11,9 @@ checkpoints (`<dir>/<step>/`), written synchronously, with three guarantees:
 * Atomic retirement. Old steps are first renamed into `<dir>/trash/` (one
   rename) and only then deleted, so a kill mid-delete cannot leave a
   half-deleted step that looks like a checkpoint; opening the store empties
-  the trash.
+  the trash. A kill after a save's commit but before its retirements leaves
+  one step too many: opening the store (keep-best stores: `delete_after`)
+  retires it.
 * Checked restores. Only complete steps (both orbax's step metadata and the
   commit marker present) are restored, and the checkpoint's tree (leaf
   paths, shapes, dtypes) must match the caller's template exactly: a
@@ -145,6 +147,10 @@ class StateStore:
             **best, **writable),
         # named up front, so a fresh manager can read a step's tree metadata
         item_handlers=ocp.StandardCheckpointHandler())
+    self._max_to_keep = None if read_only else max_to_keep
+    self._best_metric = best_metric
+    if not read_only and best_metric is None:
+      self._retain()  # a kill between a save and its retirements left one too many
 
   def _clean(self) -> None:
     """Delete what a killed save or delete left: temporary step directories
@@ -152,6 +158,27 @@ class StateStore:
     for name in os.listdir(self.directory):
       if _TMP_MARK in name or name == TRASH:
         shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+  def _retain(self) -> None:
+    """Retire the steps that `max_to_keep` no longer keeps. orbax retires them
+    after each save, so a kill between a save's commit and its retirements
+    leaves one step too many; with no later save (a run killed after its last
+    checkpoint), nothing else would. Keeps the newest steps, or with a
+    `best_metric` the best ones (ties: the newest, as orbax does)."""
+    if not self._max_to_keep:
+      return
+    steps = self.steps()  # complete ones: an incomplete step never displaces one
+    if self._best_metric is None:
+      ranked = sorted(steps, reverse=True)
+    else:
+      def rank(s):
+        m = self._mgr.metrics(s) or {}
+        v = m.get(self._best_metric)
+        return (v is not None, float(v) if v is not None else 0.0, s)
+      ranked = sorted(steps, key=rank, reverse=True)
+    for s in ranked[self._max_to_keep:]:
+      self._mgr.delete(s)
+    self._clean()
 
   def _complete(self, step: int) -> bool:
     d = os.path.join(self.directory, str(step))
@@ -213,11 +240,13 @@ class StateStore:
     return None, None
 
   def delete_after(self, step: int) -> None:
-    """Drop the steps newer than `step` (a resumed run recomputes them)."""
+    """Drop the steps newer than `step` (a resumed run recomputes them), then
+    any that retention no longer keeps."""
     for s in self._mgr.all_steps():
       if s > step:
         self._mgr.delete(s)
     self._clean()
+    self._retain()
 
   def close(self) -> None:
     self._mgr.close()
