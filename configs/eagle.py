@@ -8,7 +8,8 @@
   python experiments/train.py --config=configs/eagle.py:reduced_wd  # (or reduced_nocode_wd) + weight decay 0.1
   python experiments/train.py --config=configs/eagle.py:reduced_dropout  # + feature dropout 0.1
   python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq  # (or reduced_seq) + loss on prompt positions
-  python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref  # + datasets' reference answers
+  python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref  # + 2,400 datasets' reference answers
+  python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref8k  # + 8,000 of them
   python experiments/train.py --config=configs/eagle.py:tiny      # seconds, tests
 
 Self-distillation data is generated (and resumed) at `data_path` (default
@@ -73,6 +74,10 @@ def get_config(arg=None, method="eagle"):
   elif arg == "reduced_nocode_seq_ref":  # + 2,400 datasets' reference answers (teacher-forced)
     c = get_config("reduced_nocode_seq", method)
     c.update(dict(reference_examples=2400, workdir=c.workdir + "_ref", export=c.export + "_ref"))
+  elif arg == "reduced_nocode_seq_ref8k":  # 8,000 reference answers (the first 2,400 as above)
+    c = get_config("reduced_nocode_seq", method)
+    c.update(dict(reference_examples=8000, workdir=c.workdir + "_ref8k",
+                  export=c.export + "_ref8k"))
   elif arg == "reduced_dropout":  # + dropout 0.1 on the fused target features
     c = get_config("reduced", method)
     c.update(dict(feature_dropout=0.1, workdir=c.workdir + "_drop", export=c.export + "_drop"))
@@ -82,5 +87,6 @@ def get_config(arg=None, method="eagle"):
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
                      "(known: tiny, reduced, reduced_init, reduced_nocode, reduced_nocode_rr, reduced_wd, reduced_nocode_wd, "
-                     "reduced_seq, reduced_nocode_seq, reduced_nocode_seq_ref, reduced_dropout, tiny_reduced)")
+                     "reduced_seq, reduced_nocode_seq, reduced_nocode_seq_ref, reduced_nocode_seq_ref8k, "
+                     "reduced_dropout, tiny_reduced)")
   return c
