@@ -133,10 +133,12 @@ class StateStore:
         best_fn=lambda m: m[best_metric], best_mode="max",
         keep_checkpoints_without_metrics=False)
     writable = dict(save_interval_steps=0) if read_only else dict(todelete_subdir=TRASH)
+    self._max_to_keep = None if read_only else max_to_keep
+    self._best_metric = best_metric
     self._mgr = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else max_to_keep, enable_async_checkpointing=False,
+            max_to_keep=self._max_to_keep, enable_async_checkpointing=False,
             read_only=read_only,
             create=False,  # made above (orbax refuses to with active_processes)
             temporary_path_class=_RenameWithFaultPoints,
@@ -147,8 +149,6 @@ class StateStore:
             **best, **writable),
         # named up front, so a fresh manager can read a step's tree metadata
         item_handlers=ocp.StandardCheckpointHandler())
-    self._max_to_keep = None if read_only else max_to_keep
-    self._best_metric = best_metric
     if not read_only and best_metric is None:
       self._retain()  # a kill between a save and its retirements left one too many
 
@@ -165,20 +165,18 @@ class StateStore:
     leaves one step too many; with no later save (a run killed after its last
     checkpoint), nothing else would. Keeps the newest steps, or with a
     `best_metric` the best ones (ties: the newest, as orbax does)."""
-    if not self._max_to_keep:
-      return
-    steps = self.steps()  # complete ones: an incomplete step never displaces one
-    if self._best_metric is None:
-      ranked = sorted(steps, reverse=True)
-    else:
-      def rank(s):
-        m = self._mgr.metrics(s) or {}
-        v = m.get(self._best_metric)
-        return (v is not None, float(v) if v is not None else 0.0, s)
-      ranked = sorted(steps, key=rank, reverse=True)
-    for s in ranked[self._max_to_keep:]:
-      self._mgr.delete(s)
-    self._clean()
+    if self._max_to_keep:
+      steps = self.steps()  # complete ones: an incomplete step never displaces one
+      if self._best_metric is None:
+        ranked = sorted(steps, reverse=True)
+      else:
+        def rank(s):
+          v = (self._mgr.metrics(s) or {}).get(self._best_metric)
+          return (v is not None, float(v) if v is not None else 0.0, s)
+        ranked = sorted(steps, key=rank, reverse=True)
+      for s in ranked[self._max_to_keep:]:
+        self._mgr.delete(s)
+    self._clean()  # the retired steps' trash
 
   def _complete(self, step: int) -> bool:
     d = os.path.join(self.directory, str(step))
@@ -245,7 +243,6 @@ class StateStore:
     for s in self._mgr.all_steps():
       if s > step:
         self._mgr.delete(s)
-    self._clean()
     self._retain()
 
   def close(self) -> None:
