@@ -10,6 +10,7 @@
   python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq  # (or reduced_seq) + loss on prompt positions
   python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref  # + 2,400 datasets' reference answers
   python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref8k  # + 8,000 of them
+  python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref_l2  # any variant + _l2: a 2-layer head
   python experiments/train.py --config=configs/eagle.py:tiny      # seconds, tests
 
 Self-distillation data is generated (and resumed) at `data_path` (default
@@ -81,6 +82,10 @@ def get_config(arg=None, method="eagle"):
   elif arg == "reduced_dropout":  # + dropout 0.1 on the fused target features
     c = get_config("reduced", method)
     c.update(dict(feature_dropout=0.1, workdir=c.workdir + "_drop", export=c.export + "_drop"))
+  elif arg and arg.endswith("_l2"):  # the variant with a 2-layer head
+    c = get_config(arg[:-3], method)
+    c.update(dict(head_layers=2, workdir=c.workdir + "_l2",
+                  export=(c.export + "_l2") if c.export else ""))
   elif arg == "tiny_reduced":
     c = get_config("tiny", method)
     c.draft_vocab, c.teacher_top_k = 32, 16
@@ -88,5 +93,5 @@ def get_config(arg=None, method="eagle"):
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
                      "(known: tiny, reduced, reduced_init, reduced_nocode, reduced_nocode_rr, reduced_wd, reduced_nocode_wd, "
                      "reduced_seq, reduced_nocode_seq, reduced_nocode_seq_ref, reduced_nocode_seq_ref8k, "
-                     "reduced_dropout, tiny_reduced)")
+                     "reduced_dropout, tiny_reduced; any of them + _l2: a 2-layer head)")
   return c

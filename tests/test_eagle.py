@@ -29,11 +29,13 @@ T1 = sampling_lib.SamplingConfig(temperature=1.0)
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, load_config):
-  """Tiny-trained heads: EAGLE (full vocabulary) and EAGLE-3 (reduced vocabulary)."""
+  """Tiny-trained heads: EAGLE (full vocabulary), EAGLE-3 (reduced vocabulary)
+  and EAGLE-3 with a 2-layer head."""
   root = tmp_path_factory.mktemp("eagle")
   out = {}
   for name, cfg_file, variant in (("eagle", "eagle.py", "tiny"),
-                                  ("eagle3", "eagle3.py", "tiny_reduced")):
+                                  ("eagle3", "eagle3.py", "tiny_reduced"),
+                                  ("eagle3_l2", "eagle3.py", "tiny_reduced_l2")):
     c = TrainSettings.of(load_config(cfg_file, variant, workdir=root / name,
                                      export=root / name / "export"))
     out[name] = (c, run.run(c, progress=lambda s: None))
@@ -46,15 +48,21 @@ def tiny_target(trained):
   return run._target(c)  # pylint: disable=protected-access
 
 
+def _method(name):
+  """'eagle3_l2' -> 'eagle3' (the trained variants' method)."""
+  return name.split("_")[0]
+
+
 def _load(trained, name, model):
   c, _ = trained[0][name]
-  params, card = checkpoints.load_drafter(c.export, model.params, model.cfg, method=name)
+  params, card = checkpoints.load_drafter(c.export, model.params, model.cfg,
+                                          method=_method(name))
   assert params["vocab_rank"].shape == (model.cfg.vocab_size,)
   params = eagle.with_draft_vocab(params, None, model.cfg)
   return eagle.prepare(params, model.params, model.cfg), card
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle3_l2"])
 def test_tiny_training_lowers_the_loss_and_exports(trained, tiny_target, name):
   c, out = trained[0][name]
   hist = [json.loads(x) for x in open(os.path.join(c.workdir, "metrics.jsonl"))]
@@ -64,9 +72,10 @@ def test_tiny_training_lowers_the_loss_and_exports(trained, tiny_target, name):
   assert accs[-1] > accs[0], accs
   assert out["estimate"]["tau"] >= 1.0 and 1.0 <= out["estimate"]["tau_t1"] <= 1 + c.eval_k
   params, card = _load(trained, name, tiny_target)
-  assert card["method"] == name and card["best_step"] == out["best_step"]
-  assert ("fuse" in params) == (name == "eagle3")
-  if name == "eagle3":  # reduced vocabulary: stored ids, EOS-independent here (eos -1)
+  assert card["method"] == _method(name) and card["best_step"] == out["best_step"]
+  assert ("fuse" in params) == (_method(name) == "eagle3")
+  assert len(eagle.head_layers(params)) == card["head_layers"] == (2 if name == "eagle3_l2" else 1)
+  if _method(name) == "eagle3":  # reduced vocabulary: stored ids, EOS-independent here (eos -1)
     assert params["vocab"].shape == (c.draft_vocab,)
     assert params["lm_rows"].shape == (c.draft_vocab, tiny_target.cfg.dim)
     assert card["draft_vocab"] == c.draft_vocab
@@ -121,29 +130,32 @@ def test_checkpoint_kind_and_head_shape_are_checked(trained, tiny_target):
     eagle.Eagle(k=2).check(tiny_target.cfg, None)
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle3_l2"])
 def test_greedy_eagle_equals_ar(trained, tiny_target, name):
   m = tiny_target
   params, _ = _load(trained, name, m)
   prompts = [[5, 9, 3, 17, 4], [8, 8, 30]]
   ref = ar.generate(m.params, m.cfg, prompts, max_new_tokens=20).tokens
-  res = sp.generate(m.params, m.cfg, eagle.Eagle(k=3, fused=name == "eagle3"), prompts,
+  fused = _method(name) == "eagle3"
+  res = sp.generate(m.params, m.cfg, eagle.Eagle(k=3, fused=fused), prompts,
                     draft_params=params, max_new_tokens=20)
   assert res.tokens == ref
   assert res.stats["accepted"] > 0
   # dynamic draft length: rows stop drafting when the head is unsure
-  dyn = sp.generate(m.params, m.cfg, eagle.Eagle(k=3, fused=name == "eagle3", draft_stop=0.5),
+  dyn = sp.generate(m.params, m.cfg, eagle.Eagle(k=3, fused=fused, draft_stop=0.5),
                     prompts, draft_params=params, max_new_tokens=20)
   assert dyn.tokens == ref
   width = lambda r: r.stats["verified_tokens"] / r.stats["rounds"]  # pylint: disable=unnecessary-lambda-assignment
   assert width(dyn) < width(res) == 4
 
 
-def test_training_unroll_is_what_drafting_computes(trained, tiny_target):
+@pytest.mark.parametrize("name", ["eagle3", "eagle3_l2"])
+def test_training_unroll_is_what_drafting_computes(trained, tiny_target, name):
   """Step s of the training-time unroll at position c + s equals the head's
-  (s+1)-th drafted output after a cache of true-feature pairs up to c."""
+  (s+1)-th drafted output after a cache of true-feature pairs up to c (every
+  head layer's cache)."""
   m = tiny_target
-  params, _ = _load(trained, "eagle3", m)
+  params, _ = _load(trained, name, m)
   cfg, t, c0, steps = m.cfg, 12, 5, 3
   rng = np.random.default_rng(0)
   toks = rng.integers(3, cfg.vocab_size, size=(1, t + 1)).astype(np.int32)
@@ -155,7 +167,8 @@ def test_training_unroll_is_what_drafting_computes(trained, tiny_target):
            "positions": jnp.arange(t, dtype=jnp.int32)[None]}
   outs = eagle_train.unroll(params, m.params, cfg, batch, steps)
   # drafting: pairs 0..c0 from true features, then the head's own outputs
-  cache = cache_lib.init_cache(eagle.head_config(cfg), 1, 32, dtype=jnp.float32)
+  cache = cache_lib.init_cache(eagle.head_config(cfg, len(eagle.head_layers(params))), 1, 32,
+                               dtype=jnp.float32)
   g = eagle.fuse(params, cfg, batch["g"][:, :c0 + 1])
   a, cache = eagle.head_step(params, m.params, cfg, g, batch["tokens"][:, :c0 + 1],
                              batch["positions"][:, :c0 + 1], cache)
@@ -243,12 +256,12 @@ def _live_and_fresh(m, drafter, dparams, state, seed):
   return live, _fresh_proposal(m, drafter, dparams, state, ctx, keys)
 
 
-@pytest.mark.parametrize("name", ["eagle", "eagle3"])
+@pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle3_l2"])
 def test_state_equals_a_fresh_prefill_after_every_kind_of_round(trained, tiny_target, name):
   m = tiny_target
   dparams, _ = _load(trained, name, m)
   k = 3
-  fused = name == "eagle3"
+  fused = _method(name) == "eagle3"
   prompts = [[5, 9, 3, 17, 4, 22, 7], [8, 8, 30]]  # ragged rows
   cases = [("reject at 0", 0), ("mid-chain", 1), ("all-accept", k), ("all-accept", k),
            ("reject at 0", 0)]
@@ -277,12 +290,13 @@ def _tree_round(params, cfg, drafter, dparams, spec, state):
   return sp.spec_round(params, cfg, drafter, dparams, spec, state)
 
 
-def test_tree_state_equals_a_fresh_prefill_after_each_round(trained, tiny_target):
+@pytest.mark.parametrize("name", ["eagle3", "eagle3_l2"])
+def test_tree_state_equals_a_fresh_prefill_after_each_round(trained, tiny_target, name):
   """After a tree round (the accepted path's verify features committed as a
   chain, whatever nodes it took), the head's state and so its next tree are
   those of a head freshly prefilled on the committed prefix."""
   m = tiny_target
-  dparams, _ = _load(trained, "eagle3", m)
+  dparams, _ = _load(trained, name, m)
   drafter = eagle_tree.EagleTree(k=3, tree_topk=2, tree_width=2, tree_nodes=6, fused=True)
   spec = sp.SpecConfig(sampling=sampling_lib.GREEDY)
   state = sp.start(m.params, m.cfg, drafter, [[5, 9, 3, 17, 4, 22, 7], [8, 8, 30]],
@@ -347,6 +361,33 @@ def test_head_initialised_from_a_target_layer(tiny_target):
   assert set(random_head) == set(head)  # the same pytree: checkpoints, warm starts
   with pytest.raises(ValueError, match="head_init_layer"):
     eagle.init_head_from_target(jax.random.key(0), cfg, params, cfg.num_layers, fused=True)
+
+
+def test_a_deeper_head_extends_the_one_layer_head(tiny_target):
+  """init_head(num_layers=2) is the one-layer head plus "layer_1" (the same
+  draws for the rest: one-layer checkpoints and seeds are unchanged); its
+  second layer changes what the head computes; fewer than one layer is refused."""
+  params, cfg = tiny_target.params, tiny_target.cfg
+  one = eagle.init_head(jax.random.key(0), cfg, fused=True)
+  two = eagle.init_head(jax.random.key(0), cfg, fused=True, num_layers=2)
+  assert set(two) - set(one) == {"layer_1"} and set(one) <= set(two)
+  for key in one:
+    for a, b in zip(jax.tree.leaves(one[key]), jax.tree.leaves(two[key])):
+      np.testing.assert_array_equal(a, b, err_msg=key)
+  assert len(eagle.head_layers(two)) == 2 and len(eagle.head_layers(one)) == 1
+  g = jax.random.normal(jax.random.key(1), (1, 4, cfg.dim))
+  toks = jnp.asarray([[3, 5, 7, 9]], jnp.int32)
+  pos = jnp.arange(4, dtype=jnp.int32)[None]
+  outs = []
+  for head in (one, two):
+    cache = cache_lib.init_cache(eagle.head_config(cfg, len(eagle.head_layers(head))), 1, 8,
+                                 dtype=jnp.float32)
+    a, cache = eagle.head_step(head, params, cfg, g, toks, pos, cache)
+    assert len(cache.k) == len(eagle.head_layers(head))
+    outs.append(np.asarray(a))
+  assert np.abs(outs[0] - outs[1]).max() > 1e-4
+  with pytest.raises(ValueError, match="at least one layer"):
+    eagle.init_head(jax.random.key(0), cfg, fused=True, num_layers=0)
 
 
 def test_feature_dropout_zeroes_the_fused_features_in_training_steps_only(tiny_target):

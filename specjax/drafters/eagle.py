@@ -26,7 +26,11 @@ zero elsewhere. q is still exactly what each guess was drawn from, so the
 chain rule stays exact; only acceptance can suffer. On SmolLM2 the 49152-row
 LM head dominates every draft step.
 
-Decoding keeps a one-layer KV cache of the committed history. Invariant
+The head may stack several such layers (`init_head(..., num_layers=n)`:
+params "layer", "layer_1", ..., "layer_{n-1}", applied in that order; one
+layer is the papers' head and every checkpoint before this option).
+
+Decoding keeps a KV cache (one entry per head layer) of the committed history. Invariant
 (after `commit`): the head's cache holds the pairs of positions
 0 .. m-1 built from the target's true features; `pending` holds the target's
 features of positions m .. m + count - 1 (from the last verify forward, or
@@ -38,8 +42,8 @@ is only ever the token half of a pair. The drafted chain's own entries are
 dropped in `commit` by lowering the fill level.
 
 Params: {"fc": (D, 2D), "layer": {attn_norm, wqkv, wo, mlp_norm, w_gate_up,
-w_down} (one target-shaped layer), "norm": (D,) (EAGLE-3), "fuse": (D, 3D)
-(EAGLE-3), "vocab": (Vd,) (optional)}.
+w_down} (one target-shaped layer), "layer_1" ... (further layers, optional),
+"norm": (D,) (EAGLE-3), "fuse": (D, 3D) (EAGLE-3), "vocab": (Vd,) (optional)}.
 """
 
 from __future__ import annotations
@@ -71,23 +75,44 @@ def eagle3_layers(cfg: ModelConfig) -> Tuple[int, int, int]:
   return (min(2, n - 1), n // 2, max(n - 3, 0))
 
 
-def head_config(cfg: ModelConfig) -> ModelConfig:
-  """The one-layer head's config: the target's layer shape."""
-  return cfg.replace(num_layers=1)
+def layer_names(num_layers: int) -> Tuple[str, ...]:
+  """The params keys of a head's layers, in order ("layer" first: a one-layer
+  head is the papers' and every earlier checkpoint's)."""
+  return ("layer",) + tuple(f"layer_{i}" for i in range(1, num_layers))
+
+
+def head_layers(head: dict) -> Tuple[dict, ...]:
+  """The head's decoder layers, in the order they run."""
+  n = 1
+  while f"layer_{n}" in head:
+    n += 1
+  return tuple(head[name] for name in layer_names(n))
+
+
+def head_config(cfg: ModelConfig, num_layers: int = 1) -> ModelConfig:
+  """The head's config: the target's layer shape, `num_layers` of them."""
+  return cfg.replace(num_layers=num_layers)
 
 
 def init_head(key: jax.Array, cfg: ModelConfig, *, fused: bool,
-              vocab: Optional[jax.Array] = None) -> dict:
-  """Random head (float32): a fresh target-shaped layer, FC near [I, 0]."""
+              vocab: Optional[jax.Array] = None, num_layers: int = 1) -> dict:
+  """Random head (float32): `num_layers` fresh target-shaped layers, FC near [I, 0]."""
+  if num_layers < 1:
+    raise ValueError(f"an EAGLE head needs at least one layer, got num_layers={num_layers}")
   d = cfg.dim
   k_layer, k_fc, k_fuse = jax.random.split(key, 3)
-  layer = transformer.init(k_layer, head_config(cfg).replace(dtype="float32"))["layers"][0]
-  # The layer's output projections start small: the head starts close to
-  # "the next feature is this one" and learns the residual.
-  layer["wo"] = layer["wo"] * 0.1
-  layer["w_down"] = layer["w_down"] * 0.1
+  p = {}
+  for i, name in enumerate(layer_names(num_layers)):
+    # layer 0 draws from k_layer itself: a one-layer head is the same as before
+    k_i = k_layer if i == 0 else jax.random.fold_in(k_layer, i)
+    layer = transformer.init(k_i, head_config(cfg).replace(dtype="float32"))["layers"][0]
+    # The output projections start small: the head starts close to "the next
+    # feature is this one" and learns the residual.
+    layer["wo"] = layer["wo"] * 0.1
+    layer["w_down"] = layer["w_down"] * 0.1
+    p[name] = layer
   fc = jnp.concatenate([jnp.eye(d), jax.random.normal(k_fc, (d, d)) * 0.02 / jnp.sqrt(d)], 1)
-  p = {"fc": fc.astype(jnp.float32), "layer": layer}
+  p = {"fc": fc.astype(jnp.float32), **p}
   if fused:
     eye3 = jnp.concatenate([jnp.eye(d) / 3] * 3, axis=1)
     p["fuse"] = (eye3 + jax.random.normal(k_fuse, (d, 3 * d)) * 0.01 / jnp.sqrt(d)).astype(
@@ -99,7 +124,8 @@ def init_head(key: jax.Array, cfg: ModelConfig, *, fused: bool,
 
 
 def init_head_from_target(key: jax.Array, cfg: ModelConfig, target_params, layer: int, *,
-                          fused: bool, vocab: Optional[jax.Array] = None) -> dict:
+                          fused: bool, vocab: Optional[jax.Array] = None,
+                          num_layers: int = 1) -> dict:
   """A head that starts as one of the target's own layers (float32).
 
   The head's layer is a copy of target layer `layer` (a negative index counts
@@ -108,12 +134,12 @@ def init_head_from_target(key: jax.Array, cfg: ModelConfig, target_params, layer
   the target's late computation on the target's late features, so training
   starts from attention and MLP weights that already read this feature space
   instead of from noise. The FC keeps `init_head`'s [I, ~0] (the token
-  embedding enters as it learns)."""
+  embedding enters as it learns). Further layers (`num_layers` > 1) stay random."""
   n = cfg.num_layers
   if not -n <= layer < n:
     raise ValueError(f"head_init_layer={layer}: the target has {n} layers (0..{n - 1}, or "
                      f"-{n}..-1 from the end)")
-  p = init_head(key, cfg, fused=fused, vocab=vocab)
+  p = init_head(key, cfg, fused=fused, vocab=vocab, num_layers=num_layers)
   p["layer"] = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32),
                             dict(target_params["layers"][layer]))
   if fused:
@@ -172,23 +198,25 @@ def head_step(head: dict, target_params, cfg: ModelConfig, g: jax.Array, tokens:
               active: Optional[jax.Array] = None,
               allowed: Optional[jax.Array] = None) -> Tuple[jax.Array, cache_lib.KVCache]:
   """Feed T pairs (g (B, T, D), tokens (B, T)) at the cache's fill level.
-  Returns the head's outputs a (B, T, D) and the cache advanced by T.
+  Returns the head's outputs a (B, T, D) (its last layer's) and the cache
+  (one entry per head layer) advanced by T.
   `allowed` (B, T, S): which slots each new pair attends to (default: the
   prefix below the fill level and the new pairs causally; trees pass their own)."""
   x = pair_inputs(head, target_params, cfg, g, tokens)
-  q, k, v = layer_qkv(head["layer"], cfg, x, positions)
   length = cache.length
   t = tokens.shape[1]
-  new_k = _write(cache.k[0], k, length, active)
-  new_v = _write(cache.v[0], v, length, active)
   if allowed is None:
     allowed = transformer.attention_mask(length, t, cache.num_slots)
-  attn = _attention(q, new_k, new_v, allowed, cfg)
-  a = layer_out(head["layer"], cfg, x, attn)
+  ks, vs = [], []
+  for i, layer in enumerate(head_layers(head)):
+    q, k, v = layer_qkv(layer, cfg, x, positions)
+    ks.append(_write(cache.k[i], k, length, active))
+    vs.append(_write(cache.v[i], v, length, active))
+    x = layer_out(layer, cfg, x, _attention(q, ks[-1], vs[-1], allowed, cfg))
   step = jnp.full(length.shape, t, jnp.int32)
   if active is not None:
     step = jnp.where(active, step, 0)
-  return a, cache_lib.KVCache(k=(new_k,), v=(new_v,), length=length + step)
+  return x, cache_lib.KVCache(k=tuple(ks), v=tuple(vs), length=length + step)
 
 
 def head_weights(head: dict, target_params, cfg: ModelConfig) -> jax.Array:
@@ -247,7 +275,7 @@ def rank_vocab(head: dict, n: int, cfg: ModelConfig, rank) -> dict:
 
 @flax.struct.dataclass
 class EagleState:
-  cache: cache_lib.KVCache  # the head's one-layer cache: pairs of positions < base
+  cache: cache_lib.KVCache  # the head's cache (a layer each): pairs of positions < base
   pending: jax.Array  # (B, W, Df) target features of positions base .. base + count - 1
   count: jax.Array  # (B,) int32 in [1, W]
   base: jax.Array  # (B,) int32: committed entries after the catch-up of this round
@@ -320,7 +348,8 @@ class Eagle(Drafter):
     cfg = target.cfg
     b, t = prompt_tokens.shape
     w = self.k + 1
-    cache = cache_lib.init_cache(head_config(cfg), b, num_slots, dtype=jnp.float32)
+    cache = cache_lib.init_cache(head_config(cfg, len(head_layers(params))), b, num_slots,
+                                 dtype=jnp.float32)
     if t > 1:
       pos = jnp.broadcast_to(jnp.arange(t - 1, dtype=jnp.int32), (b, t - 1))
       g = fuse(params, cfg, hidden[:, :t - 1])

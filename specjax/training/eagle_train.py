@@ -263,21 +263,26 @@ def unroll(head, target_params, cfg: ModelConfig, batch: dict, steps: int,
   """Outputs a^s (B, T, D) of steps s = 0 .. steps-1 (see the module docstring).
   Training only: `keep` (B, T, D) scales the (fused) target features (dropout),
   `noise` is added to them."""
-  layer = head["layer"]
+  layers = eagle.head_layers(head)
   g = eagle.fuse(head, cfg, batch["g"])
   if keep is not None:
     g = g * keep
   if noise is not None:
     g = g + noise
-  ks, vs, outs = [], [], []
+  # keys / values of every step, per head layer: step s's queries of layer l
+  # attend to layer l's entries of steps 0..s, as its cache holds them when drafting
+  ks, vs = [[] for _ in layers], [[] for _ in layers]
+  outs = []
   for s in range(steps):
     if s > 0:  # the head's own output of the previous position stands in for g
       g = jnp.pad(outs[-1], ((0, 0), (1, 0), (0, 0)))[:, :-1]
     x = eagle.pair_inputs(head, target_params, cfg, g, batch["tokens"])
-    q, k, v = eagle.layer_qkv(layer, cfg, x, batch["positions"])
-    ks.append(k)
-    vs.append(v)
-    outs.append(eagle.layer_out(layer, cfg, x, _chain_attention(q, ks, vs, s, cfg)))
+    for i, layer in enumerate(layers):
+      q, k, v = eagle.layer_qkv(layer, cfg, x, batch["positions"])
+      ks[i].append(k)
+      vs[i].append(v)
+      x = eagle.layer_out(layer, cfg, x, _chain_attention(q, ks[i], vs[i], s, cfg))
+    outs.append(x)
   return outs
 
 

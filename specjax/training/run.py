@@ -275,10 +275,11 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
            f"covers {covered:.4f} of the validation labels' mass")
   vocab = _reduced_vocab(c, cfg, train_seqs, progress)
   if c.head_init_layer is None:
-    init = eagle.init_head(jax.random.key(c.seed), cfg, fused=fused)
+    init = eagle.init_head(jax.random.key(c.seed), cfg, fused=fused, num_layers=c.head_layers)
   else:
     init = eagle.init_head_from_target(jax.random.key(c.seed), cfg, model.params,
-                                       c.head_init_layer, fused=fused)
+                                       c.head_init_layer, fused=fused,
+                                       num_layers=c.head_layers)
     progress(f"head initialised from target layer {c.head_init_layer}")
   head0 = _warm_start(c, model, init, progress)
   if c.context not in ("sequence", "window"):
@@ -338,7 +339,7 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
                        -eagle_train.token_counts(train_seqs, cfg.vocab_size)))
     params = dict(best, vocab_rank=jnp.asarray(rank, jnp.int32),
                   **({} if vocab is None else {"vocab": vocab}))
-    card = {"method": c.method, "fused_layers": list(taps),
+    card = {"method": c.method, "fused_layers": list(taps), "head_layers": c.head_layers,
             "draft_vocab": 0 if vocab is None else int(len(vocab)),
             "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(
                 model.params, cfg),

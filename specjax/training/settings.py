@@ -107,6 +107,8 @@ class TrainSettings(RunSettings):
   # target layer (EAGLE-3: the fusion passes the high tap, the norm is the
   # target's final norm); None = a random layer
   head_init_layer: Optional[int] = None
+  # EAGLE / EAGLE-3: the head's decoder layers (1: the papers' head)
+  head_layers: int = 1
   context: str = "sequence"
   # the positions the loss covers: 'answer', or 'sequence' (every position
   # after the chat template's shared head, the prompt's included: the target's
@@ -145,7 +147,7 @@ class TrainSettings(RunSettings):
 
 _EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "feature_dropout", "decay",
           "teacher_top_k",
-          "head_init_layer",
+          "head_init_layer", "head_layers",
           "context", "loss_positions", "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows",
           "train_eval_sequences")
 # each method's own fields (the others of its config are shared)
