@@ -9,6 +9,8 @@ interleaved) and greedy speculative == greedy AR token for token with it on
   python experiments/invariance.py --config=configs/invariance.py --config.parts=bitwise \
       --config.tiles=0,5,20   # SmolLM2's verify blocks vs one-token steps, bit for bit
   python experiments/invariance.py --config=configs/invariance.py:small   # identity, 1 question per category
+  python experiments/invariance.py --config=configs/invariance.py --config.parts=speedup \
+      --config.dtypes=float32 --config.tiles=0,5   # the best method's speedup, the setting off and on
   python experiments/invariance.py --config=configs/invariance.py --config.parts=report \
       --config.modes=on --config.out=/work/inv_identity   # the table of what a (partial) run logged
 """
@@ -29,7 +31,8 @@ _spec.loader.exec_module(common)
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   # The run's fields, one default each: specjax.benchmarks.invariance.InvarianceSettings
-  # (model, dtypes, parts (cost, identity, report, bitwise); cost and bitwise: tiles;
+  # (model, dtypes, parts (cost, identity, report, bitwise, speedup); cost, bitwise and
+  # speedup: tiles; speedup: speedup_method, speedup_limit, speedup_tokens;
   # cost: prompt, max_new_tokens, repeats, verify_calls, verify_batches; identity:
   # prompts (Spec-Bench), prompt_limit, batch_size, modes, identity_tile, methods; out),
   # and the drafters' (k: the draft length and the verify block).

@@ -23,7 +23,7 @@ def main(argv):
     os.makedirs(settings.out, exist_ok=True)
     with open(os.path.join(settings.out, "results.json"), "w") as f:
       json.dump({"config": settings.flat(), "cost": out["cost"], "identity": out["identity"],
-                 "bitwise": out["bitwise"]}, f, indent=1)
+                 "bitwise": out["bitwise"], "speedup": out["speedup"]}, f, indent=1)
     with open(os.path.join(settings.out, "results.md"), "w") as f:
       f.write(out["markdown"])
 

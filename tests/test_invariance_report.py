@@ -83,3 +83,36 @@ def test_invariance_takes_its_settings_dataclass(tmp_path):
     invariance.run(_get_config("small"), progress=lambda s: None)
   c = _config(tmp_path, tree_nodes=8)
   assert invariance._log_settings(c)["tree_nodes"] == 8  # pylint: disable=protected-access
+
+
+def test_speedup_table_states_each_mode_against_the_default():
+  """The speedup part's table: median [IQR] per mode and the drop of the
+  median against the default forward's."""
+  c = invariance.InvarianceSettings()
+  rows = [{"dtype": "float32", "batch_invariant": inv, "invariant_tile": tile,
+           "method": "prompt_lookup@k=3", "questions": 4, "speedup_median": med,
+           "speedup_iqr": [med - 0.1, med + 0.1], "drop_vs_default": drop, "speedups": []}
+          for inv, tile, med, drop in ((False, None, 1.2, 0.0), (True, 5, 1.08, 0.1))]
+  md = invariance.markdown(None, None, c, speedup_rows=rows)
+  assert "| float32 | prompt_lookup@k=3 | False | - | 4 | 1.20x [1.10-1.30] | 0.0% |" in md
+  assert "| float32 | prompt_lookup@k=3 | True | 5 | 4 | 1.08x [0.98-1.18] | 10.0% |" in md
+
+
+@pytest.mark.slow
+def test_speedup_part_runs_every_mode_on_every_question(tmp_path):
+  """SmolLM2, two questions, 8 tokens: a ratio per question for the default
+  forward and the invariant one, the default's drop zero by definition."""
+  c = _config(tmp_path, parts="speedup", dtypes="float32", tiles="5", speedup_limit=1,
+              speedup_tokens=8, out="")
+  out = invariance.run(c, progress=lambda s: None)
+  rows = {r["invariant_tile"]: r for r in out["speedup"]}
+  assert set(rows) == {None, 5}
+  for r in rows.values():
+    assert r["questions"] == 2 and len(r["speedups"]) == 2
+    assert all(0 < x < 100 for x in r["speedups"])
+    assert r["speedup_median"] == pytest.approx(sorted(r["speedups"])[0] / 2 +
+                                                sorted(r["speedups"])[1] / 2)
+  assert rows[None]["drop_vs_default"] == 0.0
+  assert rows[5]["drop_vs_default"] == pytest.approx(
+      1 - rows[5]["speedup_median"] / rows[None]["speedup_median"])
+  assert "| float32 | prompt_lookup@k=3 | True | 5 | 2 |" in out["markdown"]

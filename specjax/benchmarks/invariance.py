@@ -18,6 +18,16 @@ decoded together, and every output is compared with AR's exactly; the
 default mode runs beside it as the control (divergences expected). Each
 result is logged as it finishes (`out`/identity.jsonl) and a restarted run
 goes on from there: the full run is hours on a 2-core CPU.
+
+What it keeps of the speedup (part `speedup`): per precision, `speedup_method`
+(the headline's best method) at B = 1 on the first `speedup_limit` Spec-Bench
+questions per category, with the default forward and with the invariant one
+at each tile of `tiles`, each question also decoded by AR with the default
+forward (the precision's fastest AR: the cost part measures invariant AR
+slower) -- all interleaved per question, the order rotating, compiles
+excluded. Per question: speedup = the method's decode tokens/s over AR's;
+per mode: the median [IQR] and the median's drop against the default
+forward's (the goal: <= 10%).
 """
 
 from __future__ import annotations
@@ -74,6 +84,10 @@ class InvarianceSettings(RunSettings):
   batch_size: int = 10
   modes: str = "on,off"  # batch_invariant on (the claim), off (what the default forward does)
   identity_tile: int = 0  # the 'on' mode's rows per tile (0: the precision's default)
+  # speedup: one method (name@field=value...), the first N questions per category
+  speedup_method: str = "prompt_lookup@k=3"
+  speedup_limit: int = 10
+  speedup_tokens: int = 96
   methods: str = ("prompt_lookup,layer_skip,draft_model,medusa,blockwise,eagle,eagle3,lookahead,"
                   "replay,medusa_tree,eagle_tree,eagle3_tree,lookahead_tree")
   out: str = ""  # the identity log, results.json and results.md go here ('': none)
@@ -141,6 +155,48 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
         t, t0 = statistics.median(tv[(m, b)]), statistics.median(tv[(None, b)])
         row[f"t_verify_B{b}_ms"], row[f"t_verify_B{b}_ratio"] = 1e3 * t, t / t0
       rows.append(row)
+  return rows
+
+
+def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
+  """`speedup_method`'s speedup over the fastest AR with the default forward
+  and with the invariant one at each tile of `tiles` (the module docstring)."""
+  require(c, InvarianceSettings, "invariance.speedup")
+  from specjax.benchmarks import specbench  # pylint: disable=import-outside-toplevel
+  questions = sorted(questions_lib.load_questions(c.prompts, c.speedup_limit),
+                     key=lambda q: (q.category, q.question_id))
+  modes = [None] + _tiles(c)  # None: the default forward; else the invariant one's tile
+  rows = []
+  for dtype in [d for d in c.dtypes.split(",") if d]:
+    engines = {m: specbench.Engine(load_model(c.model, dtype, batch_invariant=m is not None,
+                                              invariant_tile=m or 0),
+                                   sampling_lib.GREEDY, c.speedup_tokens, 0) for m in modes}
+    built = {m: registry.make_drafter(c.speedup_method, c.drafter, e.model,
+                                      sampling=sampling_lib.GREEDY)
+             for m, e in engines.items()}
+    ratios = {m: [] for m in modes}
+    for n, q in enumerate(questions):
+      prompt = engines[None].model.tokenizer.encode_prompt(q.turns[0])
+      runs = [("ar", None)] + [("spec", m) for m in modes]
+      shift = n % len(runs)  # the order rotates: no mode always runs first
+      speed = {}
+      for kind, m in runs[shift:] + runs[:shift]:
+        e = engines[m]
+        res = e.run(None, None, [prompt], [q.question_id]) if kind == "ar" else \
+            e.run(*built[m], [prompt], [q.question_id])
+        speed[(kind, m)] = specbench._decode_tokens(res) / max(res.decode_s, 1e-9)  # pylint: disable=protected-access
+      for m in modes:
+        ratios[m].append(speed[("spec", m)] / speed[("ar", None)])
+      progress(f"{dtype} {q.category} q{q.question_id} ({n + 1}/{len(questions)}): " + ", ".join(
+          f"{'default' if m is None else f'tile {m}'} {ratios[m][-1]:.2f}x" for m in modes))
+    base = report.median(ratios[None])
+    for m in modes:
+      med = report.median(ratios[m])
+      rows.append({"dtype": dtype, "batch_invariant": m is not None,
+                   "invariant_tile": None if m is None else invariant_lib.tile_rows(dtype, m),
+                   "method": c.speedup_method, "questions": len(ratios[m]),
+                   "speedup_median": med, "speedup_iqr": report.quartiles(ratios[m]),
+                   "drop_vs_default": 1.0 - med / base, "speedups": ratios[m]})
   return rows
 
 
@@ -285,8 +341,23 @@ def _batches(c: InvarianceSettings) -> List[int]:
 
 
 def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]],
-             c: InvarianceSettings, bitwise_rows: Optional[List[dict]] = None) -> str:
+             c: InvarianceSettings, bitwise_rows: Optional[List[dict]] = None,
+             speedup_rows: Optional[List[dict]] = None) -> str:
   out = []
+  if speedup_rows:
+    out += [f"Speedup over the fastest AR (AR with the default forward), the setting off and "
+            f"on ({c.model}, greedy, B = 1, {c.speedup_tokens} new tokens, the first "
+            f"{c.speedup_limit} Spec-Bench questions per category, modes interleaved per "
+            "question; decode tokens/s ratios, median [IQR] over questions):", "",
+            "| dtype | method | batch_invariant | tile | questions | speedup | drop vs default |",
+            "|---|---|---|---|---|---|---|"]
+    for r in speedup_rows:
+      q1, q3 = r["speedup_iqr"]
+      out.append(f"| {r['dtype']} | {r['method']} | {r['batch_invariant']} | "
+                 f"{r['invariant_tile'] or '-'} | {r['questions']} | "
+                 f"{r['speedup_median']:.2f}x [{q1:.2f}-{q3:.2f}] | "
+                 f"{100 * r['drop_vs_default']:.1f}% |")
+    out.append("")
   if bitwise_rows:
     out += [f"Verify blocks vs one-token steps, bit for bit ({c.model}, ragged B = 4 at "
             f"lengths {list(bitwise.RAGGED)}, chain widths {list(bitwise.FEW_WIDTHS)}, a tree "
@@ -332,15 +403,17 @@ def run(c: InvarianceSettings, progress: Optional[Callable[[str], None]] = None)
   require(c, InvarianceSettings, "invariance.run")
   progress = progress or (lambda s: print(s, flush=True))
   parts = [p for p in c.parts.split(",") if p]
-  unknown = set(parts) - {"cost", "identity", "report", "bitwise"}
+  unknown = set(parts) - {"cost", "identity", "report", "bitwise", "speedup"}
   if unknown or not parts:
     raise ConfigValueError(f"parts must be a comma-separated subset of "
-                           f"'cost,identity,report,bitwise', got {c.parts!r}")
+                           f"'cost,identity,report,bitwise,speedup', got {c.parts!r}")
   if "report" in parts and not c.out:
     raise ConfigValueError("parts=report renders `out`/identity.jsonl: set out")
   bitwise_rows = bitwise_check(c, progress) if "bitwise" in parts else None
+  speedup_rows = speedup(c, progress) if "speedup" in parts else None
   cost_rows = cost(c, progress) if "cost" in parts else None
   identity_rows = (identity(c, progress) if "identity" in parts else
                    identity(c, progress, run=False) if "report" in parts else None)
   return {"cost": cost_rows, "identity": identity_rows, "bitwise": bitwise_rows,
-          "markdown": markdown(cost_rows, identity_rows, c, bitwise_rows)}
+          "speedup": speedup_rows,
+          "markdown": markdown(cost_rows, identity_rows, c, bitwise_rows, speedup_rows)}
