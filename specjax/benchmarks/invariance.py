@@ -45,6 +45,7 @@ from specjax import sampling as sampling_lib
 from specjax.analysis import bitwise
 from specjax.benchmarks import questions as questions_lib
 from specjax.benchmarks import report
+from specjax.benchmarks import specbench
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
@@ -162,7 +163,6 @@ def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict
   """`speedup_method`'s speedup over the fastest AR with the default forward
   and with the invariant one at each tile of `tiles` (the module docstring)."""
   require(c, InvarianceSettings, "invariance.speedup")
-  from specjax.benchmarks import specbench  # pylint: disable=import-outside-toplevel
   questions = sorted(questions_lib.load_questions(c.prompts, c.speedup_limit),
                      key=lambda q: (q.category, q.question_id))
   modes = [None] + _tiles(c)  # None: the default forward; else the invariant one's tile
