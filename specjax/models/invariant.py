@@ -21,13 +21,22 @@ tree verification; prefill excluded, it is shared) run here instead:
 * every matmul has one formulation for its precision, applied to a whole
   (tile, D) tile (never GEMV or GEMM by row count); the weights are read once
   per tile;
-* attention gives every query row its own view of the cache: the committed
-  prefix at its own slots, then the block tokens it may see, in the order of
-  their positions, at consecutive slots (a tree node sees its ancestors laid
-  out by depth, exactly where one-token AR steps along that path would have
-  put them); slots past that are masked. With the same cache size (the loop
-  sizes AR and speculative caches alike in this mode) the reduction over
-  slots sees the same values in the same places as AR does.
+* attention reads the cache in place: every query of a tile is scored
+  against every batch row's cache in one product of a fixed shape, keeping
+  its own row's scores (a slot's score does not depend on where in the
+  product it sits), then laid out in the query's view of the cache: the
+  committed prefix at its own slots, then the block tokens it may see, in
+  the order of their positions, at consecutive slots (a tree node sees its
+  ancestors laid out by depth, exactly where one-token AR steps along that
+  path would have put them); slots past that are masked. The softmax runs
+  over the view. Weights x values is a fixed-chunk reduction (chunks of
+  64 slots or the largest power of two dividing the cache, summed chunk
+  after chunk): a chain's view is the cache itself, so every chunk is read in
+  place; a tree node reads the few chunks that hold the block from its own
+  view and every other chunk in place. With the same cache size (the loop
+  sizes AR and speculative caches alike in this mode) each reduction sees
+  the same values in the same places as AR does, and no query copies its
+  row's cache (which cost more than the weights at long contexts).
 
 Rows are computed symmetrically within a tile, so a row's result depends on
 its own inputs only. Verified bit for bit in float32 and bfloat16 by
@@ -101,12 +110,13 @@ def _views(length, positions, block_mask, num_slots: int):
   """Per query row (B, T): which cache slot each slot of its view reads, and
   whether it is visible. Slot s < length: itself. Slot length + r: the block
   token of rank r among those the query sees (ranked by position). -> (src
-  (B, T, S) int32, visible (B, T, S) bool)."""
+  (B, T, S) int32, None for a chain, whose view is the cache itself; visible
+  (B, T, S) bool)."""
   b, t = positions.shape
   slots = jnp.arange(num_slots, dtype=jnp.int32)
   if block_mask is None:  # a chain: the view is the cache itself, causal
     visible = slots[None, None, :] <= length[:, None, None] + jnp.arange(t)[None, :, None]
-    return jnp.broadcast_to(slots, (b, t, num_slots)), visible
+    return None, visible
   block_mask = jnp.broadcast_to(block_mask, (b, t, t))
   earlier = positions[:, None, :] < positions[:, :, None]  # (B, Tj, Tm): pos m < pos j
   # rank[b, q, j]: visible block tokens of query q placed before token j
@@ -144,9 +154,14 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
   def untile(x):  # (n, tile, ...) -> (B, T, ...)
     return x.reshape((n_tiles * tile,) + x.shape[2:])[:rows].reshape((b, t) + x.shape[2:])
 
+  chunk = next(c for c in (64, 32, 16, 8, 4, 2, 1) if s % c == 0)
+  n_chunks = s // chunk
+  win_chunks = min(-(-t // chunk) + 1, n_chunks)  # chunks that cover a tree block
+  window = jnp.clip(length // chunk, 0, n_chunks - win_chunks)  # (B,) its first chunk
   src, visible = _views(length, positions, mask, s)
   row_of = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-  src_t, vis_t, row_t, pos_t = tiles(src), tiles(visible), tiles(row_of), tiles(positions)
+  vis_t, row_t, pos_t = tiles(visible), tiles(row_of), tiles(positions)
+  view_t = () if mask is None else (tiles(src), tiles(jnp.broadcast_to(window[:, None], (b, t))))
   x = tiles(L.embed(params, tokens))  # (n, tile, D) float32
   run = tuple(range(cfg.num_layers) if layers is None else layers)
   if not run:
@@ -163,18 +178,43 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
     k = L.rope(k, pos[:, None], cfg.rope_theta)[:, 0]
     return q, k, v[:, 0]
 
-  def attn_mlp_tile(x, q, src, vis, row, p, ck, cv):
-    if mask is None:  # a chain: every query's view is its row's cache as it is
-      kk, vv = ck[row], cv[row]  # (tile, S, G, Dh)
-    else:  # each query row's own view (a tree node: its ancestors by depth)
-      kk, vv = ck[row[:, None], src], cv[row[:, None], src]
+  def attn_mlp_tile(x, q, vis, row, view, p, ck, cv):
+    # Scores against every batch row's cache, read in place (never copied per
+    # query row), each query keeping its own row's: one product of the same
+    # shape for every block, and a slot's score does not depend on which
+    # slot of the product it is in (tests/test_batch_invariant.py)
     qg = q.reshape(tile, hkv, g, dh)
-    sc = jnp.einsum("pgrd,psgd->pgrs", qg.astype(kk.dtype), kk,
+    sc = jnp.einsum("pgrd,bsgd->bpgrs", qg.astype(ck.dtype), ck,
                     preferred_element_type=jnp.float32) * scale
+    sc = jnp.take_along_axis(sc, row[None, :, None, None, None], axis=0)[0]  # (tile, G, R, S)
+    if view:  # a tree node: its scores laid out in its view (ancestors by depth)
+      src, start = view
+      sc = jnp.take_along_axis(sc, src[:, None, None, :], axis=-1)
     sc = jnp.where(vis[:, None, None, :], sc, -jnp.inf)
-    w = jax.nn.softmax(sc, axis=-1)
-    o = jnp.einsum("pgrs,psgd->pgrd", w.astype(vv.dtype), vv,
-                   preferred_element_type=jnp.float32).reshape(tile, hq * dh)
+    w = jax.nn.softmax(sc, axis=-1).astype(cv.dtype)  # over the view's slots, in AR's order
+    # weights x values in fixed chunks of `chunk` slots, summed chunk after chunk:
+    # the products' reduction order depends on where a value sits in its chunk, so a
+    # tree node reads the chunks that hold the block from its own view (its
+    # ancestors where AR steps along its path put them), every other chunk in place
+    wc = w.reshape(tile, hkv, g, n_chunks, chunk)
+    o = jnp.einsum("pgrcs,bcsgd->bpgrcd", wc, cv.reshape(cv.shape[0], n_chunks, chunk, hkv, dh),
+                   preferred_element_type=jnp.float32)
+    o = jnp.take_along_axis(o, row[None, :, None, None, None, None], axis=0)[0]
+    if view:
+      span = jnp.arange(win_chunks * chunk, dtype=jnp.int32)
+      at = start[:, None] * chunk + span  # (tile, win) view slots of the window
+      w_win = jnp.take_along_axis(w, at[:, None, None, :], axis=-1)
+      v_win = cv[row[:, None], jnp.take_along_axis(src, at, axis=-1)]  # (tile, win, G, Dh)
+      o_win = jnp.einsum("pgrcs,bcsgd->bpgrcd", w_win.reshape(tile, hkv, g, win_chunks, chunk),
+                         v_win.reshape(tile, win_chunks, chunk, hkv, dh),
+                         preferred_element_type=jnp.float32)
+      o_win = o_win[jnp.arange(tile), jnp.arange(tile)]  # each query with its own view
+      rel = jnp.arange(n_chunks, dtype=jnp.int32)[None, :] - start[:, None]  # (tile, n)
+      inside = (rel >= 0) & (rel < win_chunks)
+      o_sel = jnp.take_along_axis(o_win, jnp.clip(rel, 0, win_chunks - 1)[:, None, None, :, None],
+                                  axis=3)
+      o = jnp.where(inside[:, None, None, :, None], o_sel, o)
+    o = jnp.sum(o, axis=3).reshape(tile, hq * dh)
     x = x + dot(o, p["wo"])
     h = L.rms_norm(x, p["mlp_norm"], cfg.norm_eps)
     gate, up = jnp.split(dot(h, p["w_gate_up"]), 2, axis=-1)
@@ -193,17 +233,17 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
     new_v[i] = L.write_cache(cache.v[i], untile(v), length, active)
     last = j + 1 == len(run)
 
-    def body(x, q, src, vis, row, pos, i=i, last=last, nxt=None if last else run[j + 1]):
-      x = attn_mlp_tile(x, q, src, vis, row, params["layers"][i], new_k[i], new_v[i])
+    def body(x, q, vis, row, pos, *view, i=i, last=last, nxt=None if last else run[j + 1]):
+      x = attn_mlp_tile(x, q, vis, row, view, params["layers"][i], new_k[i], new_v[i])
       if not last:
         return (x,) + qkv_tile(x, pos, params["layers"][nxt])
       final = L.rms_norm(x, params["final_norm"], cfg.norm_eps)
       return x, final, dot(final, head) if compute_logits else None
 
     if last:
-      x, final, logits = _tiled(body, x, q, src_t, vis_t, row_t, pos_t)
+      x, final, logits = _tiled(body, x, q, vis_t, row_t, pos_t, *view_t)
     else:
-      x, q, k, v = _tiled(body, x, q, src_t, vis_t, row_t, pos_t)
+      x, q, k, v = _tiled(body, x, q, vis_t, row_t, pos_t, *view_t)
     taps[i] = x
 
   taps[cfg.num_layers] = final
