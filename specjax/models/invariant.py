@@ -60,12 +60,16 @@ from specjax.models.config import ModelConfig
 # five matrix shapes, every matmul of one forward):
 # - float32: 8 rows, multiply + reduction (29 ms a tile; a GEMM tile of 16 rows
 #   costs 39 ms, the default's one-row GEMV 12-16 ms);
-# - bfloat16: 16 rows, XLA's dot (a GEMM: 23 ms a tile, below the default's
-#   one-row 25 ms; the 8-row multiply + reduction costs 31-34 ms, and the
-#   reduction form is lossy above 8 rows).
+# - bfloat16: 5 rows, XLA's dot (a GEMM; a B = 1 verify block of k + 1 <= 5
+#   rows in one tile). Session 27 on a 2-core AVX-512 EPYC, the modes
+#   interleaved (experiments/results/invariance/cost_s27.md): AR 0.97x the
+#   default bfloat16 forward's tok/s at 5 rows against 0.67x at 16 (the
+#   earlier default, chosen on an AVX2 CPU: 23 ms a 16-row tile against the
+#   default's one-row 25 ms there), t_verify(5) 0.81x against 1.24x; the
+#   8-row multiply + reduction costs 31-34 ms and is lossy above 8 rows.
 # Each form gives every row of its tile the same bits wherever the row sits
 # and whatever the other rows hold (tests/test_batch_invariant.py).
-TILES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 16}
+TILES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 5}
 
 
 def tile_rows(dtype, tile: int = 0) -> int:
@@ -98,7 +102,7 @@ def _tiled(f, *xs):
 def dot(x: jax.Array, w: jax.Array) -> jax.Array:
   """x (tile, D) @ w^T, w stored (F, D), float32 accumulation; x rounded to the
   weight dtype as the plain product does. bfloat16: XLA's dot (a GEMM over
-  the 16-row tile); float32: the multiply + reduction form."""
+  the tile); float32: the multiply + reduction form."""
   if w.dtype == jnp.bfloat16:
     return jnp.einsum("pd,fd->pf", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
   xf = x.astype(w.dtype).astype(jnp.float32)
