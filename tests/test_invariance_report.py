@@ -11,6 +11,7 @@ import pytest
 
 from specjax.benchmarks import invariance
 from specjax.errors import ConfigValueError
+from specjax.models import invariant as invariant_lib
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), os.pardir, "configs", "invariance.py")
 
@@ -29,7 +30,8 @@ def _config(tmp_path, **kw):
 
 def _record(c, method, ids, identical, first=None):
   return {"settings": {"model": c.model, "max_new_tokens": c.max_new_tokens, "k": c.drafter.k,
-                       "batch_size": c.batch_size},
+                       "batch_size": c.batch_size,
+                       "invariant_forward": invariant_lib.FORMULATION},
           "dtype": "float32", "batch_invariant": True, "method": method, "question_ids": ids,
           "identical": identical, "first_divergence": first or [None] * len(ids)}
 
@@ -56,6 +58,13 @@ def test_report_refuses_a_log_of_other_settings_and_a_missing_out(tmp_path):
     f.write(json.dumps(_record(_config(tmp_path, k=3), "eagle3", [1, 2], [True, True])) + "\n")
   with pytest.raises(ConfigValueError, match="other settings"):
     invariance.run(c, progress=lambda s: None)
+  # a log of an earlier formulation of the invariant forward: its bits are another forward's
+  earlier = _record(c, "eagle3", [1, 2], [True, True])
+  del earlier["settings"]["invariant_forward"]
+  with open(tmp_path / "identity.jsonl", "w") as f:
+    f.write(json.dumps(earlier) + "\n")
+  with pytest.raises(ConfigValueError, match="other settings"):
+    invariance.run(c, progress=lambda s: None)
   with pytest.raises(ConfigValueError, match="set out"):
     invariance.run(_config(tmp_path, out=""), progress=lambda s: None)
   with pytest.raises(ConfigValueError, match="parts must be"):
@@ -72,11 +81,13 @@ def _get_config(arg=None):
 def test_invariance_takes_its_settings_dataclass(tmp_path):
   """The config's defaults are the dataclass's; a ConfigDict is refused (the
   experiment main reads it into InvarianceSettings once); the records' settings
-  are the same four fields as ever unless a drafter field is set."""
+  are the same five fields (the invariant forward's formulation among them)
+  unless a drafter field is set."""
   settings = invariance.InvarianceSettings.of(_get_config())
   assert settings == invariance.InvarianceSettings()
   assert invariance._log_settings(settings) == {  # pylint: disable=protected-access
-      "model": "smollm2-135m", "max_new_tokens": 64, "k": 4, "batch_size": 10}
+      "model": "smollm2-135m", "max_new_tokens": 64, "k": 4, "batch_size": 10,
+      "invariant_forward": invariant_lib.FORMULATION}
   small = invariance.InvarianceSettings.of(_get_config("small"))
   assert (small.parts, small.prompt_limit, small.batch_size) == ("identity", 1, 1)
   with pytest.raises(TypeError, match="InvarianceSettings"):

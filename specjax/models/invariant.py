@@ -72,6 +72,13 @@ from specjax.models.config import ModelConfig
 TILES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 5}
 
 
+# Which formulation of the invariant forward produced a result: the bits (and
+# so a logged identity run) belong to it. Session 27: attention reads the cache
+# in place, weights x values in fixed chunks, bfloat16 tiles of 5 rows (before:
+# a per-query copy of the cache, bfloat16 tiles of 16).
+FORMULATION = "s27-inplace-attention"
+
+
 def tile_rows(dtype, tile: int = 0) -> int:
   """Rows per tile of the batch-invariant forward for weights of `dtype`:
   `tile` (`ModelConfig.invariant_tile`) when set, else the precision's default."""
