@@ -22,9 +22,10 @@ tree verification; prefill excluded, it is shared) run here instead:
   (tile, D) tile (never GEMV or GEMM by row count); the weights are read once
   per tile;
 * attention reads the cache in place: every query of a tile is scored
-  against every batch row's cache in one product of a fixed shape, keeping
-  its own row's scores (a slot's score does not depend on where in the
-  product it sits), then laid out in the query's view of the cache: the
+  against the caches of the few consecutive batch rows the tile's rows can
+  belong to, in one product, keeping its own row's scores (a slot's score
+  does not depend on where in the product it sits), then laid out in the
+  query's view of the cache: the
   committed prefix at its own slots, then the block tokens it may see, in
   the order of their positions, at consecutive slots (a tree node sees its
   ancestors laid out by depth, exactly where one-token AR steps along that
@@ -165,6 +166,7 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
   def untile(x):  # (n, tile, ...) -> (B, T, ...)
     return x.reshape((n_tiles * tile,) + x.shape[2:])[:rows].reshape((b, t) + x.shape[2:])
 
+  near = min(b, (tile - 1) // t + 2)  # batch rows a tile's rows can belong to
   chunk = next(c for c in (64, 32, 16, 8, 4, 2, 1) if s % c == 0)
   n_chunks = s // chunk
   win_chunks = min(-(-t // chunk) + 1, n_chunks)  # chunks that cover a tree block
@@ -190,14 +192,21 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
     return q, k, v[:, 0]
 
   def attn_mlp_tile(x, q, vis, row, view, p, ck, cv):
-    # Scores against every batch row's cache, read in place (never copied per
-    # query row), each query keeping its own row's: one product of the same
-    # shape for every block, and a slot's score does not depend on which
-    # slot of the product it is in (tests/test_batch_invariant.py)
+    # Scores against the caches of the batch rows the tile can hold, read in
+    # place (never copied per query row), each query keeping its own row's: a
+    # slot's score does not depend on where in the product it sits, nor on the
+    # product's width (tests/test_batch_invariant.py)
     qg = q.reshape(tile, hkv, g, dh)
+    # the tile's rows are consecutive rows of the B x T block: they belong to at
+    # most `near` consecutive batch rows, from the first row's on (padding rows
+    # clip to the last; their results are dropped)
+    first = jnp.clip(row[0], 0, b - near)
+    ck = jax.lax.dynamic_slice_in_dim(ck, first, near, axis=0)
+    cv = jax.lax.dynamic_slice_in_dim(cv, first, near, axis=0)
+    own = jnp.clip(row - first, 0, near - 1)
     sc = jnp.einsum("pgrd,bsgd->bpgrs", qg.astype(ck.dtype), ck,
                     preferred_element_type=jnp.float32) * scale
-    sc = jnp.take_along_axis(sc, row[None, :, None, None, None], axis=0)[0]  # (tile, G, R, S)
+    sc = jnp.take_along_axis(sc, own[None, :, None, None, None], axis=0)[0]  # (tile, G, R, S)
     if view:  # a tree node: its scores laid out in its view (ancestors by depth)
       src, start = view
       sc = jnp.take_along_axis(sc, src[:, None, None, :], axis=-1)
@@ -210,12 +219,12 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
     wc = w.reshape(tile, hkv, g, n_chunks, chunk)
     o = jnp.einsum("pgrcs,bcsgd->bpgrcd", wc, cv.reshape(cv.shape[0], n_chunks, chunk, hkv, dh),
                    preferred_element_type=jnp.float32)
-    o = jnp.take_along_axis(o, row[None, :, None, None, None, None], axis=0)[0]
+    o = jnp.take_along_axis(o, own[None, :, None, None, None, None], axis=0)[0]
     if view:
       span = jnp.arange(win_chunks * chunk, dtype=jnp.int32)
       at = start[:, None] * chunk + span  # (tile, win) view slots of the window
       w_win = jnp.take_along_axis(w, at[:, None, None, :], axis=-1)
-      v_win = cv[row[:, None], jnp.take_along_axis(src, at, axis=-1)]  # (tile, win, G, Dh)
+      v_win = cv[own[:, None], jnp.take_along_axis(src, at, axis=-1)]  # (tile, win, G, Dh)
       o_win = jnp.einsum("pgrcs,bcsgd->bpgrcd", w_win.reshape(tile, hkv, g, win_chunks, chunk),
                          v_win.reshape(tile, win_chunks, chunk, hkv, dh),
                          preferred_element_type=jnp.float32)
