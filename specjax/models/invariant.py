@@ -63,11 +63,12 @@ from specjax.models.config import ModelConfig
 #   costs 39 ms, the default's one-row GEMV 12-16 ms);
 # - bfloat16: 5 rows, XLA's dot (a GEMM; a B = 1 verify block of k + 1 <= 5
 #   rows in one tile). Session 27 on a 2-core AVX-512 EPYC, the modes
-#   interleaved (experiments/results/invariance/cost_s27.md): AR 0.97x the
-#   default bfloat16 forward's tok/s at 5 rows against 0.67x at 16 (the
-#   earlier default, chosen on an AVX2 CPU: 23 ms a 16-row tile against the
-#   default's one-row 25 ms there), t_verify(5) 0.81x against 1.24x; the
-#   8-row multiply + reduction costs 31-34 ms and is lossy above 8 rows.
+#   interleaved (experiments/results/invariance/cost_s27.md and the README
+#   beside it): AR 0.98x the default bfloat16 forward's tok/s at 5 rows
+#   against 0.67x at 16 (the earlier default, chosen on an AVX2 CPU: 23 ms a
+#   16-row tile against the default's one-row 25 ms there), t_verify(5) 0.84x
+#   against 1.24x; the 8-row multiply + reduction costs 31-34 ms and is lossy
+#   above 8 rows.
 # Each form gives every row of its tile the same bits wherever the row sits
 # and whatever the other rows hold (tests/test_batch_invariant.py).
 TILES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 5}
