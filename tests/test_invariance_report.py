@@ -97,33 +97,48 @@ def test_invariance_takes_its_settings_dataclass(tmp_path):
 
 
 def test_speedup_table_states_each_mode_against_the_default():
-  """The speedup part's table: median [IQR] per mode and the drop of the
-  median against the default forward's."""
+  """The speedup part's table: median [IQR] per mode against its precision's
+  AR and against the fastest AR, with both drops."""
   c = invariance.InvarianceSettings()
   rows = [{"dtype": "float32", "batch_invariant": inv, "invariant_tile": tile,
            "method": "prompt_lookup@k=3", "questions": 4, "speedup_median": med,
-           "speedup_iqr": [med - 0.1, med + 0.1], "drop_vs_default": drop, "speedups": []}
+           "speedup_iqr": [med - 0.1, med + 0.1], "drop_vs_default": drop, "speedups": [],
+           "ar_tok_s_median": 40.0, "fastest_ar": "float32", "vs_fastest_ar_median": med,
+           "vs_fastest_ar_iqr": [med - 0.1, med + 0.1], "drop_vs_best_default": drop}
           for inv, tile, med, drop in ((False, None, 1.2, 0.0), (True, 5, 1.08, 0.1))]
   md = invariance.markdown(None, None, c, speedup_rows=rows)
-  assert "| float32 | prompt_lookup@k=3 | False | - | 4 | 1.20x [1.10-1.30] | 0.0% |" in md
-  assert "| float32 | prompt_lookup@k=3 | True | 5 | 4 | 1.08x [0.98-1.18] | 10.0% |" in md
+  assert "| float32 | False | - | 4 | 40.0 | 1.20x [1.10-1.30] | 0.0% | 1.20x [1.10-1.30] | 0.0% |" in md
+  assert "| float32 | True | 5 | 4 | 40.0 | 1.08x [0.98-1.18] | 10.0% | 1.08x [0.98-1.18] | 10.0% |" in md
+  assert "float32's default" in md
 
 
 @pytest.mark.slow
 def test_speedup_part_runs_every_mode_on_every_question(tmp_path):
-  """SmolLM2, two questions, 8 tokens: a ratio per question for the default
-  forward and the invariant one, the default's drop zero by definition."""
-  c = _config(tmp_path, parts="speedup", dtypes="float32", tiles="5", speedup_limit=1,
+  """SmolLM2, two questions, 8 tokens, both precisions interleaved: a ratio per
+  question for the default forward and the invariant one against the
+  precision's AR and the fastest AR; each drop zero for its reference row."""
+  c = _config(tmp_path, parts="speedup", dtypes="float32,bfloat16", tiles="5", speedup_limit=1,
               speedup_tokens=8, out="")
   out = invariance.run(c, progress=lambda s: None)
-  rows = {r["invariant_tile"]: r for r in out["speedup"]}
-  assert set(rows) == {None, 5}
+  rows = {(r["dtype"], r["invariant_tile"]): r for r in out["speedup"]}
+  assert set(rows) == {("float32", None), ("float32", 5), ("bfloat16", None), ("bfloat16", 5)}
   for r in rows.values():
-    assert r["questions"] == 2 and len(r["speedups"]) == 2
-    assert all(0 < x < 100 for x in r["speedups"])
+    assert r["questions"] == 2 and len(r["speedups"]) == 2 and len(r["vs_fastest_ar"]) == 2
+    assert all(0 < x < 100 for x in r["speedups"] + r["vs_fastest_ar"])
     assert r["speedup_median"] == pytest.approx(sorted(r["speedups"])[0] / 2 +
                                                 sorted(r["speedups"])[1] / 2)
-  assert rows[None]["drop_vs_default"] == 0.0
-  assert rows[5]["drop_vs_default"] == pytest.approx(
-      1 - rows[5]["speedup_median"] / rows[None]["speedup_median"])
-  assert "| float32 | prompt_lookup@k=3 | True | 5 | 2 |" in out["markdown"]
+  fastest = rows[("float32", None)]["fastest_ar"]
+  assert fastest in ("float32", "bfloat16")
+  assert all(r["fastest_ar"] == fastest for r in rows.values())
+  # against the fastest AR, its own precision's rows are the own-AR ratios
+  for tile in (None, 5):
+    assert rows[(fastest, tile)]["vs_fastest_ar"] == rows[(fastest, tile)]["speedups"]
+  for d in ("float32", "bfloat16"):
+    assert rows[(d, None)]["drop_vs_default"] == 0.0
+    assert rows[(d, 5)]["drop_vs_default"] == pytest.approx(
+        1 - rows[(d, 5)]["speedup_median"] / rows[(d, None)]["speedup_median"])
+  best = max(rows[(d, None)]["vs_fastest_ar_median"] for d in ("float32", "bfloat16"))
+  for r in rows.values():
+    assert r["drop_vs_best_default"] == pytest.approx(1 - r["vs_fastest_ar_median"] / best)
+  assert min(r["drop_vs_best_default"] for r in rows.values() if not r["batch_invariant"]) == 0.0
+  assert "| float32 | True | 5 | 2 |" in out["markdown"]

@@ -19,15 +19,18 @@ default mode runs beside it as the control (divergences expected). Each
 result is logged as it finishes (`out`/identity.jsonl) and a restarted run
 goes on from there: the full run is hours on a 2-core CPU.
 
-What it keeps of the speedup (part `speedup`): per precision, `speedup_method`
-(the headline's best method) at B = 1 on the first `speedup_limit` Spec-Bench
-questions per category, with the default forward and with the invariant one
-at each tile of `tiles`, each question also decoded by AR with the default
-forward (the precision's fastest AR: the cost part measures invariant AR
-slower) -- all interleaved per question, the order rotating, compiles
-excluded. Per question: speedup = the method's decode tokens/s over AR's;
-per mode: the median [IQR] and the median's drop against the default
-forward's (the goal: <= 10%).
+What it keeps of the speedup (part `speedup`): `speedup_method` (the
+headline's best method) at B = 1 on the first `speedup_limit` Spec-Bench
+questions per category, in every precision of `dtypes` with the default
+forward and with the invariant one at each tile of `tiles`, each question
+also decoded by AR with each precision's default forward (its fastest AR: the
+cost part measures invariant AR slower) -- all interleaved per question, the
+order rotating, compiles excluded. Per question: speedup = the method's
+decode tokens/s over AR's, against the precision's own AR and against the
+fastest AR of any precision (the one with the highest median tokens/s); per
+mode: the medians [IQR], the drop against the precision's default forward,
+and issue 20's reading, the drop against the best default-forward mode over
+the fastest AR (the goal: <= 10%).
 """
 
 from __future__ import annotations
@@ -160,43 +163,61 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
 
 
 def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
-  """`speedup_method`'s speedup over the fastest AR with the default forward
-  and with the invariant one at each tile of `tiles` (the module docstring)."""
+  """`speedup_method`'s speedup over AR with the default forward and with the
+  invariant one at each tile of `tiles`, every precision of `dtypes`
+  interleaved per question (the module docstring): against the precision's
+  own default AR and against the fastest AR of any precision."""
   require(c, InvarianceSettings, "invariance.speedup")
   questions = sorted(questions_lib.load_questions(c.prompts, c.speedup_limit),
                      key=lambda q: (q.category, q.question_id))
+  dtypes = [d for d in c.dtypes.split(",") if d]
   modes = [None] + _tiles(c)  # None: the default forward; else the invariant one's tile
-  rows = []
-  for dtype in [d for d in c.dtypes.split(",") if d]:
-    engines = {m: specbench.Engine(load_model(c.model, dtype, batch_invariant=m is not None,
-                                              invariant_tile=m or 0),
-                                   sampling_lib.GREEDY, c.speedup_tokens, 0) for m in modes}
-    built = {m: registry.make_drafter(c.speedup_method, c.drafter, e.model,
+  engines = {(d, m): specbench.Engine(load_model(c.model, d, batch_invariant=m is not None,
+                                                 invariant_tile=m or 0),
+                                      sampling_lib.GREEDY, c.speedup_tokens, 0)
+             for d in dtypes for m in modes}
+  built = {key: registry.make_drafter(c.speedup_method, c.drafter, e.model,
                                       sampling=sampling_lib.GREEDY)
-             for m, e in engines.items()}
-    ratios = {m: [] for m in modes}
-    for n, q in enumerate(questions):
-      prompt = engines[None].model.tokenizer.encode_prompt(q.turns[0])
-      runs = [("ar", None)] + [("spec", m) for m in modes]
-      shift = n % len(runs)  # the order rotates: no mode always runs first
-      speed = {}
-      for kind, m in runs[shift:] + runs[:shift]:
-        e = engines[m]
-        res = e.run(None, None, [prompt], [q.question_id]) if kind == "ar" else \
-            e.run(*built[m], [prompt], [q.question_id])
-        speed[(kind, m)] = specbench._decode_tokens(res) / max(res.decode_s, 1e-9)  # pylint: disable=protected-access
-      for m in modes:
-        ratios[m].append(speed[("spec", m)] / speed[("ar", None)])
-      progress(f"{dtype} {q.category} q{q.question_id} ({n + 1}/{len(questions)}): " + ", ".join(
-          f"{'default' if m is None else f'tile {m}'} {ratios[m][-1]:.2f}x" for m in modes))
-    base = report.median(ratios[None])
+           for key, e in engines.items()}
+  runs = [("ar", d, None) for d in dtypes] + [("spec", d, m) for d in dtypes for m in modes]
+  speeds = {r: [] for r in runs}  # decode tokens/s per question
+  tokenizer = engines[(dtypes[0], None)].model.tokenizer
+  for n, q in enumerate(questions):
+    prompt = tokenizer.encode_prompt(q.turns[0])
+    shift = n % len(runs)  # the order rotates: no mode always runs first
+    for kind, d, m in runs[shift:] + runs[:shift]:
+      e = engines[(d, m)]
+      res = e.run(None, None, [prompt], [q.question_id]) if kind == "ar" else \
+          e.run(*built[(d, m)], [prompt], [q.question_id])
+      speeds[(kind, d, m)].append(specbench._decode_tokens(res) / max(res.decode_s, 1e-9))  # pylint: disable=protected-access
+    progress(f"{q.category} q{q.question_id} ({n + 1}/{len(questions)}): " + ", ".join(
+        f"{d} {'default' if m is None else f'tile {m}'} "
+        f"{speeds[('spec', d, m)][-1] / speeds[('ar', d, None)][-1]:.2f}x"
+        for d in dtypes for m in modes))
+  # the fastest AR: the precision whose default AR has the highest median tokens/s
+  fastest = max(dtypes, key=lambda d: report.median(speeds[("ar", d, None)]))
+  rows = []
+  for d in dtypes:
+    own = {m: [a / b for a, b in zip(speeds[("spec", d, m)], speeds[("ar", d, None)])]
+           for m in modes}
+    cross = {m: [a / b for a, b in zip(speeds[("spec", d, m)], speeds[("ar", fastest, None)])]
+             for m in modes}
     for m in modes:
-      med = report.median(ratios[m])
-      rows.append({"dtype": dtype, "batch_invariant": m is not None,
-                   "invariant_tile": None if m is None else invariant_lib.tile_rows(dtype, m),
-                   "method": c.speedup_method, "questions": len(ratios[m]),
-                   "speedup_median": med, "speedup_iqr": report.quartiles(ratios[m]),
-                   "drop_vs_default": 1.0 - med / base, "speedups": ratios[m]})
+      med = report.median(own[m])
+      rows.append({"dtype": d, "batch_invariant": m is not None,
+                   "invariant_tile": None if m is None else invariant_lib.tile_rows(d, m),
+                   "method": c.speedup_method, "questions": len(own[m]),
+                   "speedup_median": med, "speedup_iqr": report.quartiles(own[m]),
+                   "drop_vs_default": 1.0 - med / report.median(own[None]), "speedups": own[m],
+                   "ar_tok_s_median": report.median(speeds[("ar", d, None)]),
+                   "fastest_ar": fastest, "vs_fastest_ar_median": report.median(cross[m]),
+                   "vs_fastest_ar_iqr": report.quartiles(cross[m]),
+                   "vs_fastest_ar": cross[m]})
+  # issue 20's reading: the best invariant mode against the best default one,
+  # both over the fastest AR of any precision
+  best_default = max(r["vs_fastest_ar_median"] for r in rows if not r["batch_invariant"])
+  for r in rows:
+    r["drop_vs_best_default"] = 1.0 - r["vs_fastest_ar_median"] / best_default
   return rows
 
 
@@ -347,18 +368,27 @@ def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]
              speedup_rows: Optional[List[dict]] = None) -> str:
   out = []
   if speedup_rows:
-    out += [f"Speedup over the fastest AR (AR with the default forward), the setting off and "
-            f"on ({c.model}, greedy, B = 1, {c.speedup_tokens} new tokens, the first "
-            f"{c.speedup_limit} Spec-Bench questions per category, modes interleaved per "
-            "question; decode tokens/s ratios, median [IQR] over questions):", "",
-            "| dtype | method | batch_invariant | tile | questions | speedup | drop vs default |",
-            "|---|---|---|---|---|---|---|"]
+    fastest = speedup_rows[0].get("fastest_ar")
+    out += [f"Speedup of {speedup_rows[0]['method']} with the default forward and the "
+            f"invariant one ({c.model}, greedy, B = 1, {c.speedup_tokens} new tokens, the first "
+            f"{c.speedup_limit} Spec-Bench questions per category, every mode of every "
+            "precision interleaved per question; decode tokens/s ratios, median [IQR] over "
+            "questions): against the precision's own AR with the default forward, and against "
+            f"the fastest AR of any precision ({fastest}'s default; the drop there is against "
+            "the best default-forward row):", "",
+            "| dtype | batch_invariant | tile | questions | AR tok/s | speedup (own AR) | "
+            "drop vs default | vs fastest AR | drop vs best default |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in speedup_rows:
       q1, q3 = r["speedup_iqr"]
-      out.append(f"| {r['dtype']} | {r['method']} | {r['batch_invariant']} | "
+      f1, f3 = r["vs_fastest_ar_iqr"]
+      out.append(f"| {r['dtype']} | {r['batch_invariant']} | "
                  f"{r['invariant_tile'] or '-'} | {r['questions']} | "
+                 f"{r['ar_tok_s_median']:.1f} | "
                  f"{r['speedup_median']:.2f}x [{q1:.2f}-{q3:.2f}] | "
-                 f"{100 * r['drop_vs_default']:.1f}% |")
+                 f"{100 * r['drop_vs_default']:.1f}% | "
+                 f"{r['vs_fastest_ar_median']:.2f}x [{f1:.2f}-{f3:.2f}] | "
+                 f"{100 * r['drop_vs_best_default']:.1f}% |")
     out.append("")
   if bitwise_rows:
     out += [f"Verify blocks vs one-token steps, bit for bit ({c.model}, ragged B = 4 at "
