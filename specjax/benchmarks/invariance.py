@@ -191,7 +191,7 @@ def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict
           e.run(*built[(d, m)], [prompt], [q.question_id])
       speeds[(kind, d, m)].append(specbench._decode_tokens(res) / max(res.decode_s, 1e-9))  # pylint: disable=protected-access
     progress(f"{q.category} q{q.question_id} ({n + 1}/{len(questions)}): " + ", ".join(
-        f"{d} {'default' if m is None else f'tile {m}'} "
+        f"{d} {'default' if m is None else f'tile {invariant_lib.tile_rows(d, m)}'} "
         f"{speeds[('spec', d, m)][-1] / speeds[('ar', d, None)][-1]:.2f}x"
         for d in dtypes for m in modes))
   # the fastest AR: the precision whose default AR has the highest median tokens/s
