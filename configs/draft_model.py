@@ -2,6 +2,7 @@
 
   python experiments/train.py --config=configs/draft_model.py
   python experiments/train.py --config=configs/draft_model.py:full   # full-vocabulary drafting
+  python experiments/train.py --config=configs/draft_model.py:ref8k  # on the EAGLE-3 head's data
   python experiments/train.py --config=configs/draft_model.py:tiny   # seconds, tests
 
 The student has the target's width and tokenizer and `draft_layers` decoder
@@ -45,10 +46,22 @@ def get_config(arg=None):
   elif arg == "tiny_reduced":
     c = get_config("tiny")
     c.draft_vocab = 32
+  elif arg == "ref8k":  # the shipped EAGLE-3 head's data (configs/eagle.py:reduced_nocode_seq_ref8k):
+    # the self-distilled answers without code sources + 8,000 datasets' reference
+    # answers, the fixed validation ids of the scaling work, the stored top-128
+    # teacher (its features are the EAGLE-3 run's shards), loss on every position
+    # after the chat template's shared head, 1 epoch
+    c.update(dict(train_sources="alpaca,gsm8k_train,xsum", train_positions=46000,
+                  reference_examples=8000, num_examples=0,
+                  valid_ids_path=os.path.join(_REPO, "experiments", "results", "scaling",
+                                              "valid_ids.json"),
+                  teacher_top_k=128, loss_positions="sequence", epochs=1.0,
+                  warmup=100, valid_max_seqs=200, eval_every=250, save_every=250,
+                  workdir="/tmp/specjax_train/draft_model_ref8k", export=c.export + "_ref8k"))
   elif arg == "full":
     c.update(dict(draft_vocab=0, workdir="/tmp/specjax_train/draft_model_full",
                   export=c.export + "_full"))
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/draft_model.py "
-                     "(known: tiny, tiny_reduced, full)")
+                     "(known: tiny, tiny_reduced, ref8k, full)")
   return c

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
@@ -109,3 +110,58 @@ def test_top_k_labels_equal_the_full_distribution_when_k_covers_the_vocabulary()
   sb = {k: jnp.asarray(v) for k, v in small.sequence_batch(np.random.default_rng(0), 128).items()}
   _, _, c = _labels_and_loss(head, sb, vocab, True)
   assert abs(float(c) - float(a)) > 1e-3
+
+
+def test_a_run_without_taps_reads_the_shards_of_a_run_with_them(tmp_path):
+  """A draft model (no taps) trains on the shards an EAGLE-3 run of the same
+  data left: same tokens, final features and teacher top-K, taps not read;
+  without `reuse_taps` it computes its own."""
+  msgs = []
+  kw = dict(KW, top_k=4, cache_dir=str(tmp_path), shard_sequences=2, progress=msgs.append)
+  with_taps = features.build(PARAMS, CFG, SEQS, **kw)
+  msgs.clear()
+  reused = features.build(PARAMS, CFG, SEQS, **dict(kw, taps=(), reuse_taps=[KW["taps"]]))
+  assert "3 shards loaded, 0 computed" in msgs[-1]
+  own = features.compute(PARAMS, CFG, SEQS, top_k=4, **dict(KW, taps=()))
+  assert reused["taps"] == [None] * len(SEQS) and reused["plen"] == own["plen"]
+  for name in ("tokens", "top_ids"):
+    for x, y, z in zip(reused[name], with_taps[name], own[name]):
+      np.testing.assert_array_equal(x, y)
+      np.testing.assert_array_equal(x, z)
+  for name in ("final", "top_p"):
+    for x, z in zip(reused[name], own[name]):
+      np.testing.assert_allclose(x, z, rtol=1e-5, atol=1e-6)
+  msgs.clear()
+  features.build(PARAMS, CFG, SEQS, **dict(kw, taps=()))  # no reuse: its own shards
+  assert "0 shards loaded, 3 computed" in msgs[-1]
+  with pytest.raises(ValueError, match="without taps only"):
+    features.build(PARAMS, CFG, SEQS, **dict(kw, reuse_taps=[(0,)]))
+
+
+def test_draft_model_loss_from_top_k_equals_the_full_distributions():
+  """The draft model's distillation loss (KL and TV) with the stored top-K
+  teacher equals the one through the target's LM head when K covers the
+  vocabulary, full or reduced draft vocabulary; the sequence loss mask
+  covers the prompt positions too."""
+  from specjax.drafters import draft_model  # pylint: disable=import-outside-toplevel
+  from specjax.training import draft_train  # pylint: disable=import-outside-toplevel
+  pool = eagle_train.SeqPool.build(PARAMS, CFG, SEQS, top_k=CFG.vocab_size, seq_len=16,
+                                   batch_size=2)
+  scfg = draft_model.student_config(CFG, 1)
+  student = draft_train.init_student(PARAMS, CFG, (0,))
+  order = draft_train.length_order(pool)
+  top = draft_train._padded_batch(pool, order[:4], 4, 16)  # pylint: disable=protected-access
+  full = draft_train._padded_batch(pool, order[:4], 4, 16, teacher=False)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(top["tokens"], full["tokens"])
+  assert "p_ids" in top and "f" not in top and "f" in full and "p_ids" not in full
+  loss_fn = jax.jit(functools.partial(draft_train.loss_fn, target_params=PARAMS, cfg=CFG,
+                                      scfg=scfg), static_argnames=("loss",))
+  for vocab in (None, jnp.arange(0, CFG.vocab_size, 2)):
+    for loss in ("kl", "tv"):
+      a, ma = loss_fn(student, batch=top, vocab=vocab, loss=loss)
+      b, mb = loss_fn(student, batch=full, vocab=vocab, loss=loss)
+      np.testing.assert_allclose(float(a), float(b), rtol=1e-4)
+      np.testing.assert_allclose(float(ma["acc"]), float(mb["acc"]))
+  assert pool.train_on_sequence() == 0  # the tiny sequences share no head
+  seq = draft_train._padded_batch(pool, order[:4], 4, 16)  # pylint: disable=protected-access
+  assert (seq["loss"] >= seq["answer"]).all() and seq["loss"].sum() > seq["answer"].sum()

@@ -11,12 +11,18 @@ reference answers), one target forward per sequence into a host pool of the
 target's final normed hidden states f_j (`eagle_train.SeqPool`), reused by
 every epoch; the teacher distribution p_j = softmax(LMHead(f_j)) (the
 distribution of token j+1, at temperature 1) is recomputed in each step from f
-(one LM-head product, cheaper than storing 49k probabilities per position).
+(one LM-head product), or, with `teacher_top_k` = K, read from the top-K ids
+and probabilities stored with the features (no target LM head in a step; the
+mass outside the top K is dropped). Validation always uses the full
+distribution. The draft model needs no taps, so the shards an EAGLE-3 run of
+the same data computed serve it (`features.build(reuse_taps=...)`).
 
 Batches: `batch_seqs` whole sequences of similar length (neighbours in the
 length-sorted pool), padded to a multiple of 64, run causally from position 0
 like the drafter runs them; the loss counts the positions whose next token is
-an answer token.
+an answer token (with loss_positions='sequence', every position after the chat
+template's shared head: the teacher's distribution is a label there too, and
+the forward runs over the prompt anyway).
 
 Losses (`loss`): "kl" forward KL(p || q) (the soft-label cross-entropy up to
 p's entropy); "tv" the total variation 1/2 sum |p - q| = 1 - sum min(p, q)
@@ -114,16 +120,23 @@ def divergences(p, logq, vocab=None):
 def loss_fn(student, target_params, cfg, scfg, batch, vocab, loss: str):
   logits = student_logits(student, target_params, cfg, scfg, batch["tokens"], vocab)
   logq = jax.nn.log_softmax(logits, -1)
-  p = jax.lax.stop_gradient(eagle_train.target_probs(target_params, cfg, batch["f"])[1])
-  kl, tv, _ = divergences(p, logq, vocab)
-  mask = batch["answer"]
+  if "p_ids" in batch:  # the stored top-K teacher distributions: no target LM head here
+    p_sub = eagle_train.teacher_from_top_k(batch["p_ids"], batch["p_top"], vocab,
+                                           cfg.vocab_size)
+    kl, tv, _ = divergences(jax.lax.stop_gradient(p_sub), logq, None)
+    target_tok = batch["p_ids"][..., 0]
+  else:
+    p = jax.lax.stop_gradient(eagle_train.target_probs(target_params, cfg, batch["f"])[1])
+    kl, tv, _ = divergences(p, logq, vocab)
+    target_tok = jnp.argmax(p, -1)
+  mask = batch.get("loss", batch["answer"])  # the positions trained on
   denom = jnp.maximum(jnp.sum(mask), 1.0)
   per = {"kl": kl, "tv": tv, "kl+tv": kl + tv}[loss]
   total = jnp.sum(per * mask) / denom
   top = jnp.argmax(logits, -1)
   top = top if vocab is None else vocab[top]
   metrics = {"loss": total, "kl": jnp.sum(kl * mask) / denom, "tv": jnp.sum(tv * mask) / denom,
-             "acc": jnp.sum((top == jnp.argmax(p, -1)) * mask) / denom}
+             "acc": jnp.sum((top == target_tok) * mask) / denom}
   return total, metrics
 
 
@@ -147,26 +160,41 @@ def make_step(optimizer, target_params, cfg: ModelConfig, scfg: ModelConfig, *, 
   return step
 
 
-def _row(pool, i: int, width: int) -> dict:
-  tok, f, plen = pool.tokens[i], pool.final[i], pool.plen[i]
+def _row(pool, i: int, width: int, teacher: bool = True) -> dict:
+  """Sequence i padded to `width`: tokens, the final features f (the full
+  teacher distribution), or with `teacher` and a pool holding them the stored
+  top-K teacher distributions (p_ids, p_top; then no f), the answer mask and,
+  when the pool trains on more than the answer (`SeqPool.train_on_sequence`),
+  the loss mask."""
+  tok, plen = pool.tokens[i], pool.plen[i]
   n = min(len(tok), width)
   toks = np.zeros(width, np.int32)
   toks[:n] = tok[:n]
-  ff = np.zeros((width, f.shape[1]), np.float32)
-  ff[:n] = f[:n]
   j = np.arange(width)
   # position j predicts token j + 1, which must exist and be an answer token
-  answer = ((j + 1 < n) & (j + 1 >= plen)).astype(np.float32)
-  return {"tokens": toks, "f": ff, "answer": answer}
+  out = {"tokens": toks, "answer": ((j + 1 < n) & (j + 1 >= plen)).astype(np.float32)}
+  if teacher and pool.top_ids is not None:
+    k = pool.top_ids[i].shape[1]
+    out["p_ids"] = np.zeros((width, k), np.int32)
+    out["p_top"] = np.zeros((width, k), np.float32)
+    out["p_ids"][:n] = pool.top_ids[i][:n]
+    out["p_top"][:n] = pool.top_p[i][:n]
+  else:
+    f = pool.final[i]
+    out["f"] = np.zeros((width, f.shape[1]), np.float32)
+    out["f"][:n] = f[:n]
+  if pool.loss_start is not None:
+    out["loss"] = ((j + 1 < n) & (j + 1 >= pool.loss_start[i])).astype(np.float32)
+  return out
 
 
-def _padded_batch(pool, idx, batch_seqs: int, max_len: int) -> dict:
+def _padded_batch(pool, idx, batch_seqs: int, max_len: int, teacher: bool = True) -> dict:
   """Sequences `idx` (repeating the last up to `batch_seqs` rows), padded to a
   multiple of 64 (at most `max_len`)."""
   idx = [int(i) for i in idx]
   idx += [idx[-1]] * (batch_seqs - len(idx))
   width = min(max_len, cache_lib.round_up(max(len(pool.tokens[i]) for i in idx), 64))
-  rows = [_row(pool, i, width) for i in idx]
+  rows = [_row(pool, i, width, teacher) for i in idx]
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
@@ -203,8 +231,10 @@ def estimate(student, target_params, cfg: ModelConfig, scfg: ModelConfig, pool, 
   corr, over = [], []
   for s in range(0, len(order), batch_seqs):
     real = len(order[s:s + batch_seqs])
+    # the full teacher distribution (validation never uses the stored top-K)
     b = jax.tree.map(jnp.asarray, _padded_batch(pool, order[s:s + batch_seqs], batch_seqs,
-                                                max_len))
+                                                max_len, teacher=False))
+    b.pop("loss", None)
     c, o = _eval_batch(student, target_params, cfg, scfg, b, vocab)
     c, o = np.asarray(c, np.float64)[:real], np.asarray(o, np.float64)[:real]
     ans = np.asarray(b["answer"])[:real] > 0

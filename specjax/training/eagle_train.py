@@ -74,13 +74,15 @@ class SeqPool:
   @classmethod
   def build(cls, params, cfg, sequences: Sequence[Tuple[List[int], int]], *, seq_len: int,
             taps: Tuple[int, ...] = (), top_k: int = 0, batch_size: int = 4, progress=None,
-            cache_dir: Optional[str] = None) -> "SeqPool":
+            cache_dir: Optional[str] = None,
+            reuse_taps: Sequence[Tuple[int, ...]] = ()) -> "SeqPool":
     """The target's features of `sequences` (`specjax.training.features`:
     with `cache_dir`, shards computed before for the same target and data are
     read from there, memory-mapped); `top_k` > 0 adds the teacher's top-K
     distribution at every position."""
     f = features_lib.build(params, cfg, sequences, seq_len=seq_len, taps=taps, top_k=top_k,
-                           batch_size=batch_size, cache_dir=cache_dir, progress=progress)
+                           batch_size=batch_size, cache_dir=cache_dir, progress=progress,
+                           reuse_taps=reuse_taps)
     return cls(f["tokens"], f["final"], f["taps"], f["plen"],
                top_ids=f["top_ids"] if top_k else None, top_p=f["top_p"] if top_k else None)
 

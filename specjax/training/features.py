@@ -151,10 +151,19 @@ def load_shard(path: str) -> Dict[str, list]:
 def build(params, cfg, sequences: Sequence[Tuple[List[int], int]], *, seq_len: int,
           taps: Tuple[int, ...] = (), top_k: int = 0, batch_size: int = 4,
           cache_dir: Optional[str] = None, shard_sequences: int = SHARD_SEQUENCES,
+          reuse_taps: Sequence[Tuple[int, ...]] = (),
           progress: Optional[Callable[[str], None]] = None) -> Dict[str, list]:
   """`compute`'s features of `sequences`; with `cache_dir`, shard by shard:
   a shard computed before (same content, same target and settings) is read
-  from there, the others are computed and written."""
+  from there, the others are computed and written.
+
+  reuse_taps (only when `taps` is empty): tap sets whose cached shards serve
+  this call too -- a shard computed with taps holds the same tokens, final
+  features and teacher top-K (the taps are not read), so e.g. a draft model
+  trains on the shards an EAGLE-3 run of the same data left."""
+  if reuse_taps and taps:
+    raise ValueError("reuse_taps serves a call without taps only (the final features and "
+                     "teacher top-K of another run's shards)")
   if not cache_dir:
     return compute(params, cfg, sequences, seq_len=seq_len, taps=taps, top_k=top_k,
                    batch_size=batch_size, progress=progress)
@@ -165,15 +174,20 @@ def build(params, cfg, sequences: Sequence[Tuple[List[int], int]], *, seq_len: i
   loaded = made = 0
   for s in range(0, len(sequences), shard_sequences):
     part = list(sequences[s:s + shard_sequences])
-    key = shard_key(fingerprint, cfg, part, seq_len=seq_len, taps=taps, top_k=top_k)
-    path = os.path.join(cache_dir, f"shard-{key}")
-    if os.path.isdir(path):
+    paths = [os.path.join(cache_dir, "shard-" + shard_key(fingerprint, cfg, part,
+                                                          seq_len=seq_len, taps=t, top_k=top_k))
+             for t in [tuple(taps)] + [tuple(r) for r in reuse_taps]]
+    path = next((p for p in paths if os.path.isdir(p)), None)
+    if path is not None:
       loaded += 1
     else:
+      path = paths[0]
       save_shard(path, compute(params, cfg, part, seq_len=seq_len, taps=taps, top_k=top_k,
                                batch_size=batch_size))
       made += 1
     feats = load_shard(path)
+    if not taps:  # a reused shard's taps are not this call's
+      feats["taps"] = [None] * len(feats["tokens"])
     for name in out:
       out[name] += feats[name]
     if progress:

@@ -60,9 +60,9 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   `TrainSettings.of(config)` reads a training config)."""
   require(c, TrainSettings, "training.run.run")
   TrainSettings.config_fields(c.method)  # an unknown method: ValueError before any work
-  if c.epochs and c.method not in ("eagle", "eagle3"):
-    raise ValueError(f"epochs is implemented for eagle / eagle3 runs, not {c.method!r}: "
-                     "set steps")
+  if c.epochs and c.method not in ("eagle", "eagle3", "draft_model"):
+    raise ValueError(f"epochs is implemented for eagle / eagle3 / draft_model runs, not "
+                     f"{c.method!r}: set steps")
   progress = progress or (lambda s: print(s, flush=True))
   t_start = time.perf_counter()
   model = _target(c)
@@ -371,27 +371,39 @@ def _run_draft_model(c: TrainSettings, model: Model, train_seqs, valid_seqs, pro
   cfg = model.cfg
   scfg = draft_model_lib.student_config(cfg, c.draft_layers)
   init_layers = draft_train.parse_init_layers(c.init_layers, cfg.num_layers, c.draft_layers)
+  check_loss_positions(c)
   t0 = time.perf_counter()
-  pool, vpool = _pools("features", lambda: (
-      eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len,
-                                batch_size=c.feature_batch, progress=progress,
-                                cache_dir=_feature_cache(c)),
-      eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len,
-                                batch_size=c.feature_batch, cache_dir=_feature_cache(c))))
+  # shards an EAGLE-3 run of the same data and teacher top-K left serve here too
+  reuse = (eagle.eagle3_layers(cfg),) if c.model != TINY else ()
+  pool, vpool = _pools("features", lambda: tuple(
+      eagle_train.SeqPool.build(model.params, cfg, seqs, seq_len=c.seq_len,
+                                top_k=c.teacher_top_k, batch_size=c.feature_batch,
+                                progress=progress if seqs is train_seqs else None,
+                                cache_dir=_feature_cache(c), reuse_taps=reuse)
+      for seqs in (train_seqs, valid_seqs)))
   progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
-           f"{time.perf_counter() - t0:.0f}s")
+           f"{time.perf_counter() - t0:.0f}s; teacher top-{c.teacher_top_k or 'all'} "
+           f"covers {vpool.covered_mass():.4f} of the validation labels' mass")
+  if c.loss_positions == "sequence":
+    shared = pool.train_on_sequence()
+    progress(f"loss on every position after the {shared}-token shared head: "
+             f"{pool.num_loss_positions} positions ({pool.num_positions} of them answers)")
   vocab = _reduced_vocab(c, cfg, train_seqs, progress)
   student0 = _warm_start(c, model, draft_train.init_student(model.params, cfg, init_layers),
                          progress)
-  opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
   step_target, dp = _data_parallel(model)
-  step_fn = dp(draft_train.make_step(opt, step_target, cfg, scfg, vocab=vocab, loss=c.loss))
   order = draft_train.length_order(pool)
 
   def batch_fn(step):
     rng = np.random.default_rng([c.seed, step])
     return jax.tree.map(jnp.asarray,
                         draft_train.sequence_batch(pool, order, rng, c.batch_seqs, c.seq_len))
+
+  c = _epoch_steps(c, pool, batch_fn)
+  if c.epochs:
+    progress(f"{c.epochs} epochs over {pool.num_positions} answer positions: {c.steps} steps")
+  opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
+  step_fn = dp(draft_train.make_step(opt, step_target, cfg, scfg, vocab=vocab, loss=c.loss))
 
   def eval_fn(student):
     return draft_train.estimate(student, model.params, cfg, scfg, vpool, c.eval_k, vocab,

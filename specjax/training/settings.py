@@ -66,7 +66,7 @@ class TrainSettings(RunSettings):
   weight_decay: float = 0.0
   clip: float = 1.0
   # > 0: train this many epochs over the training answer positions instead of
-  # `steps` (EAGLE / EAGLE-3)
+  # `steps` (EAGLE / EAGLE-3, draft model)
   epochs: float = 0.0
   # > 0: stop once this many evaluations in a row brought no new best tau
   patience: int = 0
@@ -99,9 +99,9 @@ class TrainSettings(RunSettings):
   # 'sequence': whole sequences from position 0 (prompt + answer, one length
   # bucket per batch, batch_tokens positions), the prefix drafting sees;
   # 'window': random `window`-position windows near the answer, batch_windows a batch
-  # the teacher's labels: 0 = the full distribution (the LM head at every
-  # step); K = its top K per position, stored with the features (the mean
-  # covered mass on validation is reported)
+  # the teacher's labels (EAGLE / EAGLE-3, draft model): 0 = the full
+  # distribution (the LM head at every step); K = its top K per position,
+  # stored with the features (the mean covered mass on validation is reported)
   teacher_top_k: int = 0
   # >= 0 (or negative, from the end): start the head's layer as a copy of this
   # target layer (EAGLE-3: the fusion passes the high tap, the norm is the
@@ -155,8 +155,8 @@ METHOD_FIELDS = {
     "medusa": ("num_heads", "decay", "batch_positions", "valid_max_positions"),
     "eagle": _EAGLE,
     "eagle3": _EAGLE,
-    "draft_model": ("draft_layers", "init_layers", "loss", "draft_vocab", "batch_seqs", "eval_k",
-                    "valid_max_seqs", "store_dtype"),
+    "draft_model": ("draft_layers", "init_layers", "loss", "draft_vocab", "teacher_top_k",
+                    "loss_positions", "batch_seqs", "eval_k", "valid_max_seqs", "store_dtype"),
 }
 _OWN = {name for names in METHOD_FIELDS.values() for name in names} | {"export"}
 SHARED_FIELDS = tuple(f.name for f in dataclasses.fields(TrainSettings) if f.name not in _OWN)
