@@ -10,6 +10,7 @@
   python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq  # (or reduced_seq) + loss on prompt positions
   python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref  # + 2,400 datasets' reference answers
   python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref8k  # + 8,000 of them
+  python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref8k_grown  # + the rest of the data, whole XSum documents
   python experiments/train.py --config=configs/eagle.py:reduced_nocode_seq_ref_l2  # any variant + _l2: a 2-layer head
   python experiments/train.py --config=configs/eagle.py:tiny      # seconds, tests
 
@@ -79,6 +80,23 @@ def get_config(arg=None, method="eagle"):
     c = get_config("reduced_nocode_seq", method)
     c.update(dict(reference_examples=8000, workdir=c.workdir + "_ref8k",
                   export=c.export + "_ref8k"))
+  elif arg == "reduced_nocode_seq_ref8k_grown":  # the shipped head's data (46,000
+    # self-distilled answer positions, 8,000 reference answers, the scaling work's
+    # validation ids) grown by the rest of the data file's self-distilled answers
+    # (no code) and up to 1,000 whole XSum documents (prompts up to 1,024 tokens)
+    # with their reference summaries, appended (the shipped head's feature shards
+    # are reused); grown sequences over 384 tokens whole, in shards at 1,280;
+    # length buckets drawn by loss positions, so the long prompts are trained on
+    # as often as any position
+    c = get_config("reduced_nocode_seq_ref8k", method)
+    c.update(dict(grow_records=True, long_reference_examples=1000, long_sources="xsum",
+                  long_prompt_tokens=1024, long_seq_len=1280, bucket_weight="loss",
+                  num_examples=0, train_positions=46000, valid_max_windows=200,
+                  train_eval_sequences=200,
+                  valid_ids_path=os.path.join(_REPO, "experiments", "results", "scaling",
+                                              "valid_ids.json"),
+                  workdir=c.workdir[:-len("_ref8k")] + "_ref8k_grown",
+                  export=c.export + "_grown"))
   elif arg == "reduced_dropout":  # + dropout 0.1 on the fused target features
     c = get_config("reduced", method)
     c.update(dict(feature_dropout=0.1, workdir=c.workdir + "_drop", export=c.export + "_drop"))
@@ -93,5 +111,6 @@ def get_config(arg=None, method="eagle"):
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
                      "(known: tiny, reduced, reduced_init, reduced_nocode, reduced_nocode_rr, reduced_wd, reduced_nocode_wd, "
                      "reduced_seq, reduced_nocode_seq, reduced_nocode_seq_ref, reduced_nocode_seq_ref8k, "
+                     "reduced_nocode_seq_ref8k_grown, "
                      "reduced_dropout, tiny_reduced; any of them + _l2: a 2-layer head)")
   return c

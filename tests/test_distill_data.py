@@ -1,6 +1,7 @@
 """Self-distillation data on the real model: deterministic, resumable, split
 by id; and the datasets' reference answers in the same record format."""
 
+import dataclasses
 import json
 
 import pytest
@@ -136,3 +137,32 @@ def test_reference_answers_join_the_training_records_only(smollm2):
   assert all(i.startswith("ref:gsm8k_train/") for i in ref_ids)
   assert not ref_ids & {"ref:" + r["id"] for r in mine}  # validation's example too
   assert valid == [mine[2]]
+
+
+def test_grown_records_follow_the_selection_with_long_references(smollm2):
+  """TrainSettings.grow_records: the training records after the
+  train_positions prefix, appended in file order; long_reference_examples:
+  reference answers of long_sources with prompts longer than
+  max_prompt_tokens and at most long_prompt_tokens, never for an example the
+  data or the references already hold; other methods refuse both."""
+  from specjax.training import run
+  from specjax.training.settings import TrainSettings
+  mine = [{"id": f"xsum/{i}", "split": "train", "prompt": [1, 2], "answer": [3] * 10,
+           "sampling": None, "seed": 0} for i in range(6)]
+  c = TrainSettings(method="eagle3", sources="xsum", train_sources="xsum", train_positions=20,
+                    grow_records=True, long_reference_examples=4, max_prompt_tokens=192,
+                    long_prompt_tokens=700, long_seq_len=768)
+  train, _ = distill_data.select(mine, train_positions=20, valid_ids=["xsum/5"])
+  assert [r["id"] for r in train] == ["xsum/0", "xsum/1"]
+  grown = run._grown_records(c, smollm2, mine, train, ["xsum/5"], lambda s: None)  # pylint: disable=protected-access
+  assert [r["id"] for r in grown[:3]] == ["xsum/2", "xsum/3", "xsum/4"]  # not validation's
+  long = grown[3:]
+  assert len(long) == 4
+  for r in long:
+    assert r["id"].startswith("ref:xsum/") and r["id"][4:] not in {m["id"] for m in mine}
+    assert 192 < len(r["prompt"]) <= 700 and r["answer"][-1] == smollm2.tokenizer.eos_id
+  with pytest.raises(ValueError, match="cannot hold"):
+    run.long_references(dataclasses.replace(c, long_seq_len=600), smollm2.tokenizer, mine)
+  with pytest.raises(ValueError, match="eagle / eagle3 runs, not 'medusa'"):
+    run.run(TrainSettings(method="medusa", model="tiny", grow_records=True,
+                          workdir="/tmp/specjax_grow_refused"))

@@ -3,6 +3,7 @@ has in its cache while drafting), one length bucket per batch, buckets drawn in
 proportion to their answer positions; validation over whole sequences."""
 
 import numpy as np
+import pytest
 
 from specjax.training import eagle_train
 
@@ -86,3 +87,36 @@ def test_loss_on_the_sequence_covers_every_label_after_the_shared_head():
     assert w["loss"].sum() > w["answer"].sum()
   assert pool.num_loss_positions == sum(n - 3 for n, _ in shapes)
   assert pool.num_positions == sum(n - plen for n, plen in shapes)
+
+
+def test_buckets_drawn_by_loss_positions_and_pools_joined():
+  """bucket_weight='loss': a bucket's share is its loss positions (the long
+  prompts' included) -- the width of long sequences with short answers comes
+  up as often as their positions; SeqPool.concat keeps every sequence in order."""
+  shapes = [(40, 30), (40, 30), (250, 240)]  # widths 64, 64, 256; loss from label 3 on
+  rng = np.random.default_rng(4)
+  tokens = [np.concatenate([[7, 8, 9], 100 * (i + 1) + np.arange(n - 3)]).astype(np.int32)
+            for i, (n, _) in enumerate(shapes)]
+  final = [rng.standard_normal((n, D)).astype(np.float32) for n, _ in shapes]
+  a = eagle_train.SeqPool(tokens[:2], final[:2], [None] * 2, [p for _, p in shapes[:2]])
+  b = eagle_train.SeqPool(tokens[2:], final[2:], [None], [shapes[2][1]])
+  pool = eagle_train.SeqPool.concat([a, b])
+  assert len(pool) == 3 and pool.plen == [30, 30, 240]
+  for i in range(3):
+    np.testing.assert_array_equal(pool.tokens[i], tokens[i])
+  pool.train_on_sequence()
+  loss = {64: 2 * (40 - 3), 256: 250 - 3}
+  answer = {64: 2 * (40 - 29 - 1), 256: 250 - 239 - 1}
+  for weight, want in (("loss", loss), ("answer", answer)):
+    pool.bucket_weight, pool._by_width = weight, None  # pylint: disable=protected-access
+    r = np.random.default_rng(5)
+    widths = [pool.sequence_batch(r, 256)["tokens"].shape[1] for _ in range(2000)]
+    share = widths.count(256) / 2000
+    assert abs(share - want[256] / sum(want.values())) < 0.04, (weight, share)
+  pool.bucket_weight, pool._by_width = "positions", None  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="unknown bucket_weight"):
+    pool.sequence_batch(np.random.default_rng(0), 256)
+  top = eagle_train.SeqPool(tokens[:1], final[:1], [None], [30], top_ids=[np.zeros((40, 2))],
+                            top_p=[np.zeros((40, 2))])
+  with pytest.raises(ValueError, match="top-K"):
+    eagle_train.SeqPool.concat([a, top])

@@ -156,7 +156,7 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
     if eid in done:
       continue
     prompt = tok.encode_prompt(text)
-    if len(prompt) > max_prompt_tokens:
+    if not min_prompt_tokens < len(prompt) <= max_prompt_tokens:
       continue
     todo.append((n, eid, prompt, bool(coin[n] < sample_fraction)))
   total = len(todo)
@@ -208,9 +208,11 @@ REFERENCE_FIELD: Dict[str, Callable[[dict], str]] = {
 def reference_records(tokenizer, *, sources: Sequence[str], num_examples: int, seed: int = 1,
                       max_prompt_tokens: int = 192, max_answer_tokens: int = 192,
                       valid_fraction: float = 0.05, data_dir: str = DATA_DIR,
-                      skip_ids: Iterable[str] = ()) -> List[dict]:
+                      skip_ids: Iterable[str] = (), min_prompt_tokens: int = 0) -> List[dict]:
   """Records whose answers are the datasets' reference answers (chat prompt,
-  answer + EOS, truncated), in the same format as `generate_dataset`'s.
+  answer + EOS, truncated), in the same format as `generate_dataset`'s; the
+  prompts kept are longer than `min_prompt_tokens` and at most
+  `max_prompt_tokens` tokens (the others are dropped, not cut).
 
   A feature-level drafter learns the target's distributions at every position
   of any text (the labels come from the target's forward, EAGLE-1 trained on
@@ -234,7 +236,7 @@ def reference_records(tokenizer, *, sources: Sequence[str], num_examples: int, s
   out = []
   for eid, text in chosen:
     prompt = tokenizer.encode_prompt(text)
-    if len(prompt) > max_prompt_tokens:
+    if not min_prompt_tokens < len(prompt) <= max_prompt_tokens:
       continue
     answer = tokenizer.encode(by_id[eid][2].strip(), add_bos=False)[:max_answer_tokens - 1]
     out.append({"id": "ref:" + eid, "split": split_of(eid, valid_fraction), "prompt": prompt,

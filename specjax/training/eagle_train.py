@@ -63,6 +63,19 @@ class SeqPool:
     # per sequence, the first label index trained on when the loss covers more
     # than the answer (`train_on_sequence`); None: the answer only
     self.loss_start: Optional[List[int]] = None
+    # what a length bucket's share counts: 'answer' or 'loss' positions
+    self.bucket_weight = "answer"
+
+  @classmethod
+  def concat(cls, pools: Sequence["SeqPool"]) -> "SeqPool":
+    """One pool of the pools' sequences, in order (e.g. features computed at
+    two lengths); they must all hold the teacher's top-K, or none."""
+    if len({p.top_ids is None for p in pools}) > 1:
+      raise ValueError("pools to join must all hold the teacher's top-K, or none")
+    cat = lambda name: [x for p in pools for x in getattr(p, name)]  # pylint: disable=unnecessary-lambda-assignment
+    top = pools[0].top_ids is not None
+    return cls(cat("tokens"), cat("final"), cat("taps"), cat("plen"),
+               top_ids=cat("top_ids") if top else None, top_p=cat("top_p") if top else None)
 
   def __len__(self):
     return len(self.tokens)
@@ -185,6 +198,10 @@ class SeqPool:
   def _answer_positions(self, i: int) -> int:
     return max(len(self.tokens[i]) - max(self.plen[i] - 1, 0) - 1, 0)
 
+  def _loss_positions(self, i: int) -> int:
+    start = self.plen[i] if self.loss_start is None else self.loss_start[i]
+    return max(len(self.tokens[i]) - max(start - 1, 0) - 1, 0)
+
   def _buckets(self) -> Tuple[Dict[int, List[int]], List[int], np.ndarray]:
     """(width -> its sequences, the widths, each width's share of the answer
     positions), computed once."""
@@ -194,8 +211,10 @@ class SeqPool:
         if self._answer_positions(i):
           by_width.setdefault(self.width(i), []).append(i)
       widths = sorted(by_width)
-      weight = np.asarray([sum(self._answer_positions(i) for i in by_width[w]) for w in widths],
-                          np.float64)
+      if self.bucket_weight not in ("answer", "loss"):
+        raise ValueError(f"unknown bucket_weight {self.bucket_weight!r} (known: answer, loss)")
+      count = self._answer_positions if self.bucket_weight == "answer" else self._loss_positions
+      weight = np.asarray([sum(count(i) for i in by_width[w]) for w in widths], np.float64)
       self._by_width = (by_width, widths, weight / weight.sum())
     return self._by_width
 

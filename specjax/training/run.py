@@ -91,11 +91,20 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
                                                train_order=c.train_order)
   if c.reference_examples and model.tokenizer is not None:
     train_recs = with_references(c, model.tokenizer, records, train_recs, progress)
+  grown = []
+  if c.grow_records or c.long_reference_examples:
+    if c.method not in ("eagle", "eagle3"):
+      raise ValueError(f"grow_records / long_reference_examples are implemented for eagle / "
+                       f"eagle3 runs, not {c.method!r}")
+    grown = _grown_records(c, model, records, train_recs, valid_ids, progress)
   train_seqs = distill_data.sequences(train_recs)
   valid_seqs = distill_data.sequences(valid_recs) or train_seqs[:2]
-  progress(f"data: {len(train_seqs)} train / {len(valid_seqs)} valid sequences")
+  grown_seqs = distill_data.sequences(grown)
+  progress(f"data: {len(train_seqs) + len(grown_seqs)} train / {len(valid_seqs)} valid "
+           "sequences")
   if c.method in ("eagle", "eagle3"):
-    return _run_eagle(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
+    return _run_eagle(c, model, train_seqs, valid_seqs, progress, stop_after, t_start,
+                      grown_seqs)
   if c.method == "draft_model":
     return _run_draft_model(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
   # 2. features (once; reused by every epoch)
@@ -219,6 +228,46 @@ def with_references(c: TrainSettings, tokenizer, records, train_recs, progress=N
   return list(train_recs) + ref
 
 
+def _grown_records(c: TrainSettings, model: Model, records, train_recs, valid_ids, progress):
+  """The records grown on top of the selection (TrainSettings: grow_records,
+  long_reference_examples), in order."""
+  out = []
+  if c.grow_records:
+    every, _ = distill_data.select(records, valid_sequences=c.valid_sequences,
+                                   valid_ids=valid_ids, train_sources=_names(c.train_sources),
+                                   train_order=c.train_order)
+    have = {r["id"] for r in train_recs}
+    out = [r for r in every if r["id"] not in have]
+    progress(f"data: + {len(out)} more training records after the train_positions prefix "
+             f"({sum(len(r['answer']) for r in out)} answer tokens)")
+  if c.long_reference_examples and model.tokenizer is not None:
+    out += long_references(c, model.tokenizer, list(records) + list(train_recs), progress)
+  return out
+
+
+def long_references(c: TrainSettings, tokenizer, taken, progress=None):
+  """Up to `c.long_reference_examples` reference answers of `c.long_sources`
+  whose prompts are longer than max_prompt_tokens and at most
+  long_prompt_tokens (whole documents; training only). Examples in `taken`
+  (the records, validation's included, and the references already added) are
+  left out."""
+  if c.long_seq_len < c.long_prompt_tokens + 16:
+    raise ValueError(f"long_seq_len={c.long_seq_len} cannot hold a {c.long_prompt_tokens}-token "
+                     "prompt and its answer")
+  done = {r["id"][len("ref:"):] if r["id"].startswith("ref:") else r["id"] for r in taken}
+  ref = distill_data.reference_records(
+      tokenizer, sources=_names(c.long_sources), num_examples=c.long_reference_examples,
+      seed=c.seed + 2, min_prompt_tokens=c.max_prompt_tokens,
+      max_prompt_tokens=c.long_prompt_tokens,
+      max_answer_tokens=min(c.max_new_tokens, c.long_seq_len - c.long_prompt_tokens),
+      valid_fraction=c.valid_fraction, skip_ids=sorted(done))
+  if progress:
+    progress(f"data: + {len(ref)} long reference answers ({', '.join(_names(c.long_sources))}: "
+             f"{sum(len(r['prompt']) for r in ref)} prompt tokens, "
+             f"{sum(len(r['answer']) for r in ref)} answer tokens), training only")
+  return ref
+
+
 LOSS_POSITIONS = ("answer", "sequence")
 
 
@@ -255,20 +304,37 @@ def _names(csv: str):
 
 
 def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress, stop_after,
-               t_start):
-  """EAGLE (c.method == 'eagle') or EAGLE-3 ('eagle3') head training."""
+               t_start, grown_seqs=()):
+  """EAGLE (c.method == 'eagle') or EAGLE-3 ('eagle3') head training; the
+  `grown_seqs` (`_grown_records`) join the training pool after `train_seqs`,
+  those longer than seq_len whole, their features computed at long_seq_len in
+  shards of their own."""
   cfg = model.cfg
   fused = c.method == "eagle3"
   taps = eagle.eagle3_layers(cfg) if fused else ()
   check_loss_positions(c)
   t0 = time.perf_counter()
-  pool, vpool = _pools("features", lambda: (
-      eagle_train.SeqPool.build(model.params, cfg, train_seqs, seq_len=c.seq_len, taps=taps,
-                                top_k=c.teacher_top_k, batch_size=c.feature_batch,
-                                progress=progress, cache_dir=_feature_cache(c)),
-      eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len, taps=taps,
-                                top_k=c.teacher_top_k, batch_size=c.feature_batch,
-                                cache_dir=_feature_cache(c))))
+
+  def seq_pool(seqs, seq_len, prog=None):
+    return eagle_train.SeqPool.build(model.params, cfg, seqs, seq_len=seq_len, taps=taps,
+                                     top_k=c.teacher_top_k, batch_size=c.feature_batch,
+                                     progress=prog, cache_dir=_feature_cache(c))
+
+  short = list(train_seqs) + [s for s in grown_seqs if len(s[0]) <= c.seq_len]
+  long = [s for s in grown_seqs if len(s[0]) > c.seq_len]
+  if long and c.long_seq_len < max(len(s[0]) for s in long):
+    progress(f"{sum(len(s[0]) > c.long_seq_len for s in long)} grown sequences are cut to "
+             f"long_seq_len={c.long_seq_len}")
+
+  def pools():
+    train = seq_pool(short, c.seq_len, progress)
+    if long:
+      train = eagle_train.SeqPool.concat([train, seq_pool(long, c.long_seq_len, progress)])
+    return train, seq_pool(valid_seqs, c.seq_len)
+
+  pool, vpool = _pools("features", pools)
+  train_seqs = short + long
+  pool.bucket_weight = c.bucket_weight
   covered = vpool.covered_mass()
   progress(f"features: {pool.num_positions} train / {vpool.num_positions} valid positions in "
            f"{time.perf_counter() - t0:.0f}s; teacher top-{c.teacher_top_k or 'all'} "

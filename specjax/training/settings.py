@@ -54,6 +54,19 @@ class TrainSettings(RunSettings):
   # after the selection above (train_sources' sources, else `sources`; never
   # validation)
   reference_examples: int = 0
+  # Data grown on top of a run's (EAGLE / EAGLE-3), appended after it so the
+  # run's cached feature shards still serve. grow_records: + the training
+  # records after the train_positions prefix (the rest of the data file, after
+  # the references). long_reference_examples: + up to this many reference
+  # answers of `long_sources` whose prompts are longer than max_prompt_tokens
+  # and at most long_prompt_tokens (e.g. whole XSum documents: the long inputs
+  # of summarization and RAG that drafting meets). Grown sequences longer than
+  # seq_len are kept whole, in feature shards of their own at long_seq_len.
+  grow_records: bool = False
+  long_reference_examples: int = 0
+  long_sources: str = "xsum"
+  long_prompt_tokens: int = 1024
+  long_seq_len: int = 1280
   # features
   seq_len: int = 384
   feature_batch: int = 4
@@ -115,6 +128,10 @@ class TrainSettings(RunSettings):
   # distribution is a label at every position; needs context='sequence').
   # Validation and the epoch count stay on answer positions.
   loss_positions: str = "answer"
+  # 'sequence' batches draw a length bucket in proportion to its 'answer'
+  # positions, or to its 'loss' positions (with loss_positions='sequence':
+  # every position trained on equally likely, the long prompts' included)
+  bucket_weight: str = "answer"
   batch_tokens: int = 1024
   window: int = 128
   batch_windows: int = 4
@@ -148,8 +165,10 @@ class TrainSettings(RunSettings):
 _EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "feature_dropout", "decay",
           "teacher_top_k",
           "head_init_layer", "head_layers",
-          "context", "loss_positions", "batch_tokens", "window", "batch_windows", "eval_k", "valid_max_windows",
-          "train_eval_sequences")
+          "context", "loss_positions", "bucket_weight", "batch_tokens", "window", "batch_windows",
+          "eval_k", "valid_max_windows", "train_eval_sequences",
+          "grow_records", "long_reference_examples", "long_sources", "long_prompt_tokens",
+          "long_seq_len")
 # each method's own fields (the others of its config are shared)
 METHOD_FIELDS = {
     "medusa": ("num_heads", "decay", "batch_positions", "valid_max_positions"),
