@@ -3,6 +3,7 @@
   python experiments/train.py --config=configs/draft_model.py
   python experiments/train.py --config=configs/draft_model.py:full   # full-vocabulary drafting
   python experiments/train.py --config=configs/draft_model.py:ref8k  # on the EAGLE-3 head's data
+  python experiments/train.py --config=configs/draft_model.py:distill  # every self-distilled answer
   python experiments/train.py --config=configs/draft_model.py:tiny   # seconds, tests
 
 The student has the target's width and tokenizer and `draft_layers` decoder
@@ -58,10 +59,19 @@ def get_config(arg=None):
                   teacher_top_k=128, loss_positions="sequence", epochs=1.0,
                   warmup=100, valid_max_seqs=200, eval_every=250, save_every=250,
                   workdir="/tmp/specjax_train/draft_model_ref8k", export=c.export + "_ref8k"))
+  elif arg == "distill":  # every self-distilled answer of the data file (all sources; the
+    # scaling work's validation ids held out), the loss on answers only, the
+    # stored top-128 teacher, 2 epochs: the target's own text, what drafting meets
+    c.update(dict(num_examples=0, train_positions=0, reference_examples=0,
+                  valid_ids_path=os.path.join(_REPO, "experiments", "results", "scaling",
+                                              "valid_ids.json"),
+                  teacher_top_k=128, loss_positions="answer", epochs=2.0, warmup=100,
+                  valid_max_seqs=200, eval_every=250, save_every=250,
+                  workdir="/tmp/specjax_train/draft_model_distill", export=c.export + "_distill"))
   elif arg == "full":
     c.update(dict(draft_vocab=0, workdir="/tmp/specjax_train/draft_model_full",
                   export=c.export + "_full"))
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/draft_model.py "
-                     "(known: tiny, tiny_reduced, ref8k, full)")
+                     "(known: tiny, tiny_reduced, ref8k, distill, full)")
   return c
