@@ -156,7 +156,7 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
     if eid in done:
       continue
     prompt = tok.encode_prompt(text)
-    if not min_prompt_tokens < len(prompt) <= max_prompt_tokens:
+    if len(prompt) > max_prompt_tokens:
       continue
     todo.append((n, eid, prompt, bool(coin[n] < sample_fraction)))
   total = len(todo)
