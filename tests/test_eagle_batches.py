@@ -116,6 +116,10 @@ def test_buckets_drawn_by_loss_positions_and_pools_joined():
   pool.bucket_weight, pool._by_width = "positions", None  # pylint: disable=protected-access
   with pytest.raises(ValueError, match="unknown bucket_weight"):
     pool.sequence_batch(np.random.default_rng(0), 256)
+  from specjax.training import run  # pylint: disable=import-outside-toplevel
+  from specjax.training.settings import TrainSettings  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match="unknown bucket_weight 'positions'"):  # before any feature
+    run.check_loss_positions(TrainSettings(method="eagle3", bucket_weight="positions"))
   top = eagle_train.SeqPool(tokens[:1], final[:1], [None], [30], top_ids=[np.zeros((40, 2))],
                             top_p=[np.zeros((40, 2))])
   with pytest.raises(ValueError, match="top-K"):

@@ -276,6 +276,8 @@ def check_loss_positions(c: TrainSettings) -> None:
   if c.loss_positions not in LOSS_POSITIONS:
     raise ValueError(f"unknown loss_positions {c.loss_positions!r} (known: "
                      f"{', '.join(LOSS_POSITIONS)})")
+  if c.bucket_weight not in ("answer", "loss"):
+    raise ValueError(f"unknown bucket_weight {c.bucket_weight!r} (known: answer, loss)")
   if c.loss_positions == "sequence" and c.context != "sequence":
     raise ValueError("loss_positions='sequence' needs context='sequence' (windows start "
                      "near the answer and hold little of the prompt)")
@@ -440,7 +442,7 @@ def _run_draft_model(c: TrainSettings, model: Model, train_seqs, valid_seqs, pro
   check_loss_positions(c)
   t0 = time.perf_counter()
   # shards an EAGLE-3 run of the same data and teacher top-K left serve here too
-  reuse = (eagle.eagle3_layers(cfg),) if c.model != TINY else ()
+  reuse = (eagle.eagle3_layers(cfg),)
   pool, vpool = _pools("features", lambda: tuple(
       eagle_train.SeqPool.build(model.params, cfg, seqs, seq_len=c.seq_len,
                                 top_k=c.teacher_top_k, batch_size=c.feature_batch,
