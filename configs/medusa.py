@@ -2,6 +2,7 @@
 
   python experiments/train.py --config=configs/medusa.py
   python experiments/train.py --config=configs/medusa.py:tiny   # seconds, tests
+  python experiments/train.py --config=configs/medusa.py:reduced_ref8k  # the shipped EAGLE-3 head's data
 
 Self-distillation data is generated (and resumed) at `data_path` (default
 `workdir`/distill.jsonl); training resumes from `workdir`; the best heads
@@ -22,7 +23,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def get_config(arg=None):
   # the fields (specjax.training.settings.TrainSettings): the shared ones and
-  # Medusa's (num_heads, decay, batch_positions, valid_max_positions)
+  # Medusa's (num_heads, decay, batch_positions, valid_max_positions,
+  # draft_vocab, teacher_top_k)
   c = common.training_config(
       "medusa", export=os.path.join(_REPO, "specjax", "checkpoints", "smollm2-135m", "medusa"))
   if arg == "tiny":  # a tiny random target, trained in seconds (tests)
@@ -30,6 +32,23 @@ def get_config(arg=None):
                   feature_batch=8, num_heads=3, steps=40, batch_positions=64, lr=3e-3,
                   warmup=5, eval_every=20, save_every=10, log_every=10, valid_fraction=0.2,
                   workdir="/tmp/specjax_train/medusa_tiny", export=""))
+  elif arg == "tiny_reduced":  # + a reduced draft vocabulary and the top-K teacher
+    c = get_config("tiny")
+    c.update(dict(draft_vocab=32, teacher_top_k=16, lr=1e-2))
+  elif arg == "reduced_ref8k":  # the data of the EAGLE-3 head's first stage
+    # (configs/eagle3.py:reduced_nocode_seq_ref8k: 257 self-distilled records
+    # without code + 8,000 datasets' reference answers, the scaling work's
+    # validation ids; its feature shards serve), an 8192-token draft
+    # vocabulary, soft labels from the stored top-128 teacher, 2 epochs
+    c.update(dict(train_sources="alpaca,gsm8k_train,xsum", train_positions=46000,
+                  reference_examples=8000, num_examples=0,
+                  valid_ids_path=os.path.join(_REPO, "experiments", "results", "scaling",
+                                              "valid_ids.json"),
+                  draft_vocab=8192, teacher_top_k=128, epochs=2.0, batch_positions=512,
+                  lr=1e-3, warmup=100, valid_max_positions=16384, eval_every=500,
+                  save_every=250, workdir="/tmp/specjax_train/medusa_v8k_ref8k",
+                  export=c.export + "_ref8k"))
   elif arg:
-    raise ValueError(f"unknown variant {arg!r} of configs/medusa.py (known: tiny)")
+    raise ValueError(f"unknown variant {arg!r} of configs/medusa.py "
+                     "(known: tiny, tiny_reduced, reduced_ref8k)")
   return c

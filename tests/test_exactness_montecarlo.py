@@ -30,6 +30,7 @@ from specjax.drafters.eagle_tree import EagleTree
 from specjax.drafters.layer_skip import LayerSkip
 from specjax.drafters.lookahead import LookaheadTree
 from specjax.drafters.medusa import Blockwise, Medusa, MedusaTree
+from specjax.drafters.medusa import prepare as medusa_prepare
 from specjax.drafters.prompt_lookup import PromptLookup
 
 pytestmark = pytest.mark.slow  # ~30 programs of 10^5 requests: the full suite, not the fast tier
@@ -70,7 +71,8 @@ SETTINGS = [
     ("layer_skip-topk-k5-B1", LayerSkip(k=5, layers=(0,), sampling=T1), TOPK, PROMPTS1),
     ("prompt_lookup-topp-k3-B4", PromptLookup(k=3, max_ngram=2), TOPP, PROMPTS4),
     # Medusa heads sample at T = 0.7 for a T = 1 target; blockwise is their
-    # top-1 chain (one-hot q) under a top-p target.
+    # top-1 chain (one-hot q) under a top-p target, from heads with a reduced
+    # draft vocabulary (as every Medusa tree below: q zero on half the tokens).
     ("medusa-T1-k3-B4", Medusa(k=3, sampling=T07), T1, PROMPTS4),
     ("blockwise-topp-k2-B1", Blockwise(k=2), TOPP, PROMPTS1),
     # EAGLE heads (true-feature rewrite after every verify, chain on own
@@ -114,6 +116,9 @@ def _random_heads(num_heads=3, scale=3.0, seed=5):
 
 
 HEADS = _random_heads()
+# The same heads drafting over every other token (a reduced draft vocabulary,
+# the target's LM-head rows of those tokens gathered as a loaded checkpoint has them).
+HEADS_REDUCED = medusa_prepare(dict(HEADS, vocab=jnp.arange(0, V, 2)), _TARGET, CFG)
 
 
 def _random_eagle(fused, scale=0.5, seed=9):
@@ -138,6 +143,8 @@ def _draft_params(drafter, draft, name=None):
     return REDUCED_DRAFT
   if isinstance(drafter, Eagle):
     return EAGLE_HEADS[drafter.fused]
+  if isinstance(drafter, (Blockwise, MedusaTree)):
+    return HEADS_REDUCED
   if isinstance(drafter, Medusa):
     return HEADS
   return draft if isinstance(drafter, DraftModel) else None

@@ -43,7 +43,7 @@ def test_training_configs_take_the_settings_defaults(load_config, filename):
   assert settings == TrainSettings(**OVERRIDES[filename])
   assert sorted(c.keys()) == sorted(TrainSettings.config_fields(settings.method))
   assert settings.config() == c.to_dict()  # what an exported card records
-  for variant in ("tiny", "tiny_reduced") if filename != "medusa.py" else ("tiny",):
+  for variant in ("tiny", "tiny_reduced"):
     assert TrainSettings.of(load_config(filename, variant)).model == run.TINY
 
 
@@ -160,3 +160,129 @@ def test_drafter_refuses_mismatched_heads(trained):
     medusa.Medusa(k=2).check(model.cfg, medusa.init_heads(None, 2, 16))
   with pytest.raises(ValueError, match="needs trained heads"):
     medusa.Medusa(k=2).check(model.cfg, None)
+
+
+# ---- a reduced draft vocabulary and the top-K teacher ------------------------
+
+
+@pytest.fixture(scope="module")
+def trained_reduced(tmp_path_factory, load_config):
+  """Heads trained on a 32-token draft vocabulary (of the tiny target's 64)
+  with soft labels from the top-16 teacher."""
+  root = tmp_path_factory.mktemp("medusa_reduced")
+  c = TrainSettings.of(load_config("medusa.py", "tiny_reduced", workdir=root / "w",
+                                   export=root / "export"))
+  out = run.run(c, progress=lambda s: None)
+  return c, out
+
+
+def test_reduced_vocabulary_heads_export_and_decode_as_ar(trained_reduced):
+  """The export carries the draft vocabulary and its ranking; loaded through
+  the registry (the LM-head rows gathered once), the heads' guesses are
+  tokens of that vocabulary, and greedy medusa / blockwise equal AR."""
+  from specjax.drafters import registry  # pylint: disable=import-outside-toplevel
+  c, out = trained_reduced
+  hist = [json.loads(x) for x in open(os.path.join(c.workdir, "metrics.jsonl"))]
+  losses = [h["loss"] for h in hist if "loss" in h]
+  assert losses[-1] < losses[0] - 0.1, losses
+  params, card = checkpoints.load_drafter(c.export, method="medusa")
+  assert card["draft_vocab"] == 32 and params["vocab"].shape == (32,)
+  assert sorted(np.asarray(params["vocab_rank"]).tolist()) == list(range(64))
+  model = run._target(c)  # pylint: disable=protected-access
+  if model.cfg.eos_id >= 0:
+    assert model.cfg.eos_id in np.asarray(params["vocab"]).tolist()
+  prompts = [[5, 9, 3, 17, 4], [8, 8, 30]]
+  ref = ar.generate(model.params, model.cfg, prompts, max_new_tokens=20).tokens
+  for method in ("medusa", "blockwise"):
+    drafter, heads = registry.make_drafter(method, {"k": 3, "checkpoint": c.export}, model)
+    assert "lm_rows" in heads and heads["lm_rows"].shape == (32, model.cfg.dim)
+    res = sp.generate(model.params, model.cfg, drafter, prompts, draft_params=heads,
+                      max_new_tokens=20)
+    assert res.tokens == ref and res.stats["accepted"] > 0
+  # narrowed at load time to its 8 most frequent tokens (EOS kept), or refused
+  _, narrow = registry.make_drafter("medusa", {"k": 3, "checkpoint": c.export,
+                                               "draft_vocab": 8}, model)
+  assert narrow["vocab"].shape == (8,)
+  assert set(np.asarray(narrow["vocab"]).tolist()) <= set(np.asarray(params["vocab"]).tolist())
+
+
+def test_full_range_vocabulary_drafts_as_the_full_head(trained):
+  """A 'reduced' vocabulary holding every token drafts exactly what the
+  full-vocabulary heads draft (chain samples, blockwise, a sampled tree:
+  tokens and q); a true subset puts q only on its tokens."""
+  from specjax import sampling as sampling_lib  # pylint: disable=import-outside-toplevel
+  from specjax.drafters.base import Context  # pylint: disable=import-outside-toplevel
+  c, _, _ = trained
+  model = run._target(c)  # pylint: disable=protected-access
+  heads, _ = checkpoints.load_drafter(c.export, model.params, model.cfg)
+  heads = jax.tree.map(lambda x: x + 0.05, heads)  # away from the zero init
+  v = model.cfg.vocab_size
+  full_range = medusa.prepare(dict(heads, vocab=jnp.arange(v)), model.params, model.cfg)
+  subset = medusa.prepare(dict(heads, vocab=jnp.arange(0, v, 3)), model.params, model.cfg)
+  b = 2
+  feat = jax.random.normal(jax.random.PRNGKey(0), (b, model.cfg.dim))
+  state = medusa.MedusaState(feature=feat, valid=jnp.ones((b,), bool))
+  ctx = Context(history=jnp.zeros((b, 8), jnp.int32), length=jnp.ones((b,), jnp.int32),
+                prompt_len=jnp.ones((b,), jnp.int32), active=jnp.ones((b,), bool))
+  keys = jax.random.split(jax.random.PRNGKey(1), b)
+  t07 = sampling_lib.SamplingConfig(temperature=0.7)
+  drafters = [medusa.Medusa(k=3, sampling=t07), medusa.Blockwise(k=3),
+              medusa.MedusaTree(k=2, choices=((0,), (1,), (0, 0)), sampling=t07)]
+  for d in drafters:
+    draft = jax.jit(lambda p, d=d: d.draft(p, model, state, ctx, keys)[0])  # one program each
+    a, f, s = draft(heads), draft(full_range), draft(subset)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(f.tokens))
+    np.testing.assert_allclose(np.asarray(a.q), np.asarray(f.q), atol=1e-6)
+    q = np.asarray(s.q)
+    off = np.ones(v, bool)
+    off[np.arange(0, v, 3)] = False
+    assert np.all(q[..., off] == 0) and np.allclose(q.sum(-1), 1.0, atol=1e-5)
+    assert np.all(np.asarray(s.tokens) % 3 == 0)
+
+
+def test_soft_labels_are_the_target_distribution_of_each_heads_token(trained):
+  """Head i at pool position j is taught x_{t+2+i}: its soft labels (the
+  stored top-K teacher, K = the whole vocabulary) equal the target's
+  distribution at the feature that predicts that token, its hard label is
+  that token; the loss from soft labels with a full-range vocabulary equals
+  the full-vocabulary one, and the estimate with a full-range vocabulary
+  equals the full one."""
+  from specjax.training import medusa_train  # pylint: disable=import-outside-toplevel
+  c, _, _ = trained
+  model = run._target(c)  # pylint: disable=protected-access
+  v = model.cfg.vocab_size
+  seqs = [([1, 5, 9, 3, 17, 4, 22, 8, 8, 30, 2], 4), ([1, 7, 7, 12, 40, 2], 3)]
+  pool = medusa_train.FeaturePool.build(model.params, model.cfg, seqs, seq_len=16, top_k=v)
+  assert len(pool) == (11 - 4) + (6 - 3)
+  idx = np.arange(len(pool))
+  batch = pool.batch(idx, 3, teacher=True)
+  p_full = np.asarray(jax.jit(lambda h: jax.nn.softmax(transformer_lm_head(model, h), -1))(
+      pool.hidden))
+  for i in range(3):
+    for j in idx:
+      if not batch["valid"][j, i]:
+        continue
+      dense = np.zeros(v)
+      np.add.at(dense, batch["p_ids"][j, i], batch["p_top"][j, i])
+      np.testing.assert_allclose(dense, p_full[j + 1 + i], atol=1e-5)
+      assert batch["labels"][j, i] == pool.nxt[j + 1 + i]
+  assert batch["valid"][:, 0].sum() == len(pool) - 2  # the last position of each sequence
+  heads, _ = checkpoints.load_drafter(c.export, model.params, model.cfg)
+  heads = jax.tree.map(lambda x: x + 0.05, heads)
+  jb = jax.tree.map(jnp.asarray, batch)
+  loss = jax.jit(lambda b, vocab: medusa_train.loss_fn(heads, model.params, model.cfg, b, 0.8,
+                                                       vocab)[0])
+  soft_full, soft_range = loss(jb, None), loss(jb, jnp.arange(v))
+  np.testing.assert_allclose(float(soft_full), float(soft_range), rtol=1e-5)
+  hard = {k: x for k, x in jb.items() if not k.startswith("p_")}
+  assert abs(float(loss(hard, None)) - float(soft_full)) > 1e-3  # the soft labels are used
+  est = medusa_train.estimate(heads, model.params, model.cfg, pool, 3)
+  est_range = medusa_train.estimate(heads, model.params, model.cfg, pool, 3,
+                                    vocab=jnp.arange(v))
+  for name, value in est.items():
+    assert est_range[name] == pytest.approx(value, abs=1e-5), name
+
+
+def transformer_lm_head(model, hidden):
+  from specjax.models import transformer  # pylint: disable=import-outside-toplevel
+  return transformer.lm_head(model.params, model.cfg, jnp.asarray(hidden))

@@ -9,7 +9,13 @@ x_{t+1} -- and predicts the token i + 1 places beyond it, x_{t+2+i}:
 
 The LM head is the target's own (frozen, not stored with the heads); W_i is
 zero-initialised so an untrained head starts as the target's next-token
-prediction. Parameters: {"w": (H, D, D) (out, in), "b": (H, D)}.
+prediction. Parameters: {"w": (H, D, D) (out, in), "b": (H, D)}, and
+optionally a reduced draft vocabulary as EAGLE's heads have it ("vocab":
+(Vd,) token ids, "vocab_rank": every id, most frequent training answer token
+first): the heads' logits cover only those ids (the target's LM-head rows,
+gathered once by `prepare`), the guesses are drawn there and q is scattered
+back into the full vocabulary, zero elsewhere -- exactly the distribution each
+guess was drawn from, so verification stays exact.
 
 Decoding (a chain of the first k heads): the verify forward returns the
 hidden state at every fed position; after accepting n guesses the next token
@@ -36,6 +42,7 @@ import jax.numpy as jnp
 from specjax import sampling as sampling_lib
 from specjax.drafters.base import Drafter, Proposal
 from specjax.drafters.chain import cut_at_eos, one_hot_q
+from specjax.drafters.eagle import head_weights, prepare, with_draft_vocab  # noqa: F401
 from specjax.models import transformer
 
 
@@ -56,9 +63,26 @@ def head_states(heads: dict, h: jax.Array, num: int | None = None) -> jax.Array:
 
 
 def head_logits(heads: dict, target_params, target_cfg, h: jax.Array,
-                num: int | None = None) -> jax.Array:
-  """(..., D) -> (..., H, V) float32 logits through the target's LM head."""
-  return transformer.lm_head(target_params, target_cfg, head_states(heads, h, num))
+                num: int | None = None, lm_w: jax.Array | None = None) -> jax.Array:
+  """(..., D) -> (..., H, V) float32 logits through the target's LM head, or
+  (..., H, Vd) over the heads' reduced draft vocabulary (its LM-head rows;
+  `lm_w` passes them in, e.g. to a training step)."""
+  states = head_states(heads, h, num)
+  if lm_w is None and "vocab" not in heads and "lm_rows" not in heads:
+    return transformer.lm_head(target_params, target_cfg, states)
+  w = head_weights(heads, target_params, target_cfg) if lm_w is None else lm_w
+  return transformer._dot(states, w)  # pylint: disable=protected-access
+
+
+def to_full_vocab(heads: dict, tokens: jax.Array, q: jax.Array, vocab_size: int):
+  """Guesses drawn over the reduced draft vocabulary (indices into it) and
+  their q (..., Vd) -> token ids and q over the full vocabulary (zero off the
+  draft vocabulary). A full-vocabulary head: unchanged."""
+  if "vocab" not in heads:
+    return tokens, q
+  vocab = heads["vocab"]
+  full = jnp.zeros(q.shape[:-1] + (vocab_size,), q.dtype).at[..., vocab].set(q)
+  return vocab[tokens].astype(jnp.int32), full
 
 
 @flax.struct.dataclass
@@ -82,6 +106,11 @@ class Medusa(Drafter):
                        f"{target_cfg.dim}")
     if self.k > h:
       raise ValueError(f"{self.name}: k={self.k} needs {self.k} heads, the checkpoint has {h}")
+    if "vocab" in params:
+      v = params["vocab"]
+      if v.ndim != 1 or int(jnp.max(v)) >= target_cfg.vocab_size or int(jnp.min(v)) < 0:
+        raise ValueError(f"{self.name}: reduced vocabulary ids must lie in "
+                         f"[0, {target_cfg.vocab_size})")
 
   def init(self, params, target, prompt_tokens, prompt_lengths, num_slots):
     b = prompt_tokens.shape[0]
@@ -98,8 +127,8 @@ class Medusa(Drafter):
     return x.astype(jnp.int32), q
 
   def draft(self, params, target, state, ctx, keys):
-    logits = head_logits(params, target.params, target.cfg, state.feature, self.k)  # (B, k, V)
-    tokens, q = self._guesses(logits, keys)
+    logits = head_logits(params, target.params, target.cfg, state.feature, self.k)  # (B, k, V|Vd)
+    tokens, q = to_full_vocab(params, *self._guesses(logits, keys), target.cfg.vocab_size)
     num = jnp.where(state.valid & ctx.active, self.k, 0).astype(jnp.int32)
     num = cut_at_eos(tokens, num, target.cfg.eos_id)
     return Proposal(tokens=tokens, q=q, num_proposed=num), state
@@ -250,7 +279,9 @@ class MedusaTree(Medusa):
     parents, deps, ranks, _ = self._structure()
     n = len(parents)
     b = state.feature.shape[0]
-    logits = head_logits(params, target.params, target.cfg, state.feature, self.k)  # (B, D, V)
+    # (B, D, V), or (B, D, Vd) over a reduced draft vocabulary: drawn there,
+    # mapped to token ids at the end
+    logits = head_logits(params, target.params, target.cfg, state.feature, self.k)
     v = logits.shape[-1]
     width = max(ranks) + 1
     q = sampling_lib.probs(logits, self.sampling)  # (B, D, V)
@@ -278,8 +309,8 @@ class MedusaTree(Medusa):
       q_dr = jnp.broadcast_to(q[:, :, None], (b, self.k, width, v))
     d_idx = jnp.asarray([d - 1 for d in deps])
     r_idx = jnp.asarray(ranks)
-    tokens = tok_dr[:, d_idx, r_idx]  # (B, N)
-    qn = q_dr[:, d_idx, r_idx]  # (B, N, V)
+    tokens, qn = to_full_vocab(params, tok_dr[:, d_idx, r_idx], q_dr[:, d_idx, r_idx],
+                               target.cfg.vocab_size)  # (B, N), (B, N, V)
     num = jnp.where(state.valid & ctx.active, n, 0).astype(jnp.int32)
     parent = jnp.broadcast_to(jnp.asarray(parents, jnp.int32), (b, n))
     return Proposal(tokens=tokens, q=qn, num_proposed=num, parent=parent), state

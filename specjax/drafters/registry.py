@@ -21,7 +21,8 @@ None fields take the defaults below); it is typically the run's ConfigDict:
   always_reject  k
   medusa         k (<= the checkpoint's heads), checkpoint (default: the heads
                  shipped for SmolLM2-135M in specjax/checkpoints/); guesses
-                 drawn from each head's q with the target's sampling settings
+                 drawn from each head's q with the target's sampling settings;
+                 draft_vocab as for eagle (heads trained with a reduced one)
   blockwise      the same heads' top-1 chain (Stern et al.; one-hot q)
   draft_stop     draft_model, eagle, eagle3: a dynamic draft length per row --
                  stop once the product of the drafter's confidences in its
@@ -74,6 +75,7 @@ from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.layer_skip import LayerSkip, parse_layers
 from specjax.drafters.lookahead import Lookahead, LookaheadTree
 from specjax.drafters import eagle, eagle_tree
+from specjax.drafters import medusa as medusa_lib
 from specjax.drafters.medusa import (Blockwise, Medusa, MedusaTree, geometric_accuracies,
                                      tree_from_accuracies)
 from specjax.drafters.prompt_lookup import PromptLookup
@@ -212,7 +214,7 @@ def drafter_id(method: str, config, target_model=None) -> Optional[str]:
   if method not in _CHECKPOINT_KIND:
     return None
   path = _relative(settings.checkpoint or shipped_checkpoint(_CHECKPOINT_KIND[method]))
-  vocab = vocab if method.startswith("eagle") else None
+  vocab = vocab if method.startswith(("eagle", "medusa", "blockwise")) else None
   return path + (f" (draft_vocab={vocab})" if vocab else "")
 
 
@@ -360,16 +362,19 @@ def _medusa_tree(r: Request):
   choices = medusa_tree_choices(top1, nodes)
   drafter = MedusaTree(k=max(len(c) for c in choices), choices=choices, sampling=r.sampling,
                        tree_mode=str(r.settings.tree_mode))
+  params = medusa_lib.with_draft_vocab(params, r.settings.draft_vocab, cfg)
   drafter.check(cfg, params)
-  return drafter, params
+  return drafter, medusa_lib.prepare(params, r.target_model.params, cfg)
 
 
 def _medusa(r: Request):
+  cfg = r.target_model.cfg
   params = _trained(r.method, r.settings, r.target_model)
+  params = medusa_lib.with_draft_vocab(params, r.settings.draft_vocab, cfg)
   cls = Medusa if r.method == "medusa" else Blockwise
   drafter = cls(k=r.k, sampling=r.sampling)
-  drafter.check(r.target_model.cfg, params)
-  return drafter, params
+  drafter.check(cfg, params)
+  return drafter, medusa_lib.prepare(params, r.target_model.params, cfg)
 
 
 def _lookahead_drafter(r: Request):

@@ -35,7 +35,7 @@ class DrafterSettings:
   layers: Any = None  # layer_skip, e.g. '0-9' (None: the first third)
   draft_model: Any = None  # draft_model, e.g. 'self:10' (None: the shipped or 'self:L/3')
   checkpoint: Any = None  # trained drafters (None: the shipped checkpoint)
-  draft_vocab: Any = None  # eagle(3), distilled draft model: 'full' or N tokens
+  draft_vocab: Any = None  # eagle(3), medusa, distilled draft model: 'full' or N tokens
   # draft_model, eagle(3) chains: dynamic draft length, stop drafting a row once the
   # product of the drafter's confidences in its guesses falls below this (0: off)
   draft_stop: Any = 0.0

@@ -60,9 +60,6 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   `TrainSettings.of(config)` reads a training config)."""
   require(c, TrainSettings, "training.run.run")
   TrainSettings.config_fields(c.method)  # an unknown method: ValueError before any work
-  if c.epochs and c.method not in ("eagle", "eagle3", "draft_model"):
-    raise ValueError(f"epochs is implemented for eagle / eagle3 / draft_model runs, not "
-                     f"{c.method!r}: set steps")
   progress = progress or (lambda s: print(s, flush=True))
   t_start = time.perf_counter()
   model = _target(c)
@@ -107,33 +104,49 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
                       grown_seqs)
   if c.method == "draft_model":
     return _run_draft_model(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
-  # 2. features (once; reused by every epoch)
+  return _run_medusa(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
+
+
+def _run_medusa(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress, stop_after,
+                t_start):
+  """Medusa heads (also blockwise decoding's): a flat pool of answer positions."""
+  # 2. features (once; reused by every epoch; an EAGLE-3 run's shards of the
+  # same data and teacher top-K serve)
   t0 = time.perf_counter()
-  pool = medusa_train.FeaturePool.build(model.params, model.cfg, train_seqs, seq_len=c.seq_len,
-                                        batch_size=c.feature_batch, progress=progress)
-  vpool = medusa_train.FeaturePool.build(model.params, model.cfg, valid_seqs, seq_len=c.seq_len,
-                                         batch_size=c.feature_batch)
+  reuse = (eagle.eagle3_layers(model.cfg),)
+  pool, vpool = _pools("features", lambda: tuple(
+      medusa_train.FeaturePool.build(model.params, model.cfg, seqs, seq_len=c.seq_len,
+                                     batch_size=c.feature_batch, top_k=c.teacher_top_k,
+                                     cache_dir=_feature_cache(c), reuse_taps=reuse,
+                                     progress=progress if seqs is train_seqs else None)
+      for seqs in (train_seqs, valid_seqs)))
   progress(f"features: {len(pool)} train / {len(vpool)} valid positions in "
-           f"{time.perf_counter() - t0:.0f}s")
+           f"{time.perf_counter() - t0:.0f}s"
+           + (f"; soft labels: the teacher's top-{c.teacher_top_k}" if c.teacher_top_k else ""))
+  vocab = _reduced_vocab(c, model.cfg, train_seqs, progress)
   # 3. training
   heads0 = _warm_start(c, model, medusa.init_heads(jax.random.key(c.seed), c.num_heads,
                                                    model.cfg.dim), progress)
-  opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
-  step_target, dp = _data_parallel(model)
-  step_fn = dp(medusa_train.make_step(opt, step_target, model.cfg, c.decay))
 
   def batch_fn(step):
     rng = np.random.default_rng([c.seed, step])
     idx = rng.integers(0, len(pool), size=c.batch_positions)
-    return jax.tree.map(jnp.asarray, pool.batch(idx, c.num_heads))
+    return jax.tree.map(jnp.asarray, pool.batch(idx, c.num_heads, teacher=bool(c.teacher_top_k)))
+
+  if c.epochs:
+    c = dataclasses.replace(c, steps=max(int(np.ceil(c.epochs * len(pool) / c.batch_positions)),
+                                         1))
+    progress(f"{c.epochs} epochs over {len(pool)} answer positions: {c.steps} steps")
+  opt = loop.make_optimizer(c.lr, c.steps, c.warmup, c.weight_decay, c.clip)
+  step_target, dp = _data_parallel(model)
+  step_fn = dp(medusa_train.make_step(opt, step_target, model.cfg, c.decay, vocab=vocab))
 
   vsub = vpool
   if c.valid_max_positions and len(vpool) > c.valid_max_positions:
-    keep = np.arange(c.valid_max_positions)
-    vsub = medusa_train.FeaturePool(vpool.hidden[keep], vpool.nxt[keep], vpool.seq[keep])
+    vsub = vpool.take(np.arange(c.valid_max_positions))
 
   def eval_fn(heads):
-    return medusa_train.estimate(heads, model.params, model.cfg, vsub, c.num_heads)
+    return medusa_train.estimate(heads, model.params, model.cfg, vsub, c.num_heads, vocab=vocab)
 
   result = _train(c, heads0, opt, step_fn, batch_fn, eval_fn, progress, stop_after)
   out = {"step": result.step, "workdir": c.workdir, "train_positions": len(pool),
@@ -145,10 +158,16 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   final_eval = eval_fn(best)
   out.update(best_step=best_step, estimate=final_eval)
   if c.export:
+    if vocab is not None:
+      rank = np.lexsort((np.arange(model.cfg.vocab_size),
+                         -eagle_train.token_counts(train_seqs, model.cfg.vocab_size)))
+      best = dict(best, vocab=vocab, vocab_rank=jnp.asarray(rank, jnp.int32))
     card = {"method": "medusa", "num_heads": c.num_heads,
+            "draft_vocab": 0 if vocab is None else int(len(vocab)),
             "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(
                 model.params, model.cfg),
             "config": c.config(), "train_steps": c.steps, "best_step": best_step,
+            "init_from": c.init_from or None,
             "train_positions": len(pool), "valid_positions": len(vsub),
             "estimated": final_eval, "wall_s": round(time.perf_counter() - t_start, 1)}
     checkpoints.save_drafter(c.export, best, card)

@@ -79,7 +79,7 @@ class TrainSettings(RunSettings):
   weight_decay: float = 0.0
   clip: float = 1.0
   # > 0: train this many epochs over the training answer positions instead of
-  # `steps` (EAGLE / EAGLE-3, draft model)
+  # `steps` (EAGLE / EAGLE-3, draft model, Medusa)
   epochs: float = 0.0
   # > 0: stop once this many evaluations in a row brought no new best tau
   patience: int = 0
@@ -100,7 +100,7 @@ class TrainSettings(RunSettings):
   decay: float = 0.8  # Medusa heads / EAGLE unrolled step s: loss weight decay**s
   batch_positions: int = 128
   valid_max_positions: int = 4096
-  # EAGLE / EAGLE-3 head
+  # EAGLE / EAGLE-3 head (draft_vocab also the draft model's and Medusa's)
   draft_vocab: int = 0  # 0: the full vocabulary; else the N most frequent answer tokens
   ttt_steps: int = 1  # unrolled steps (EAGLE-3's training-time test)
   w_reg: float = 1.0  # EAGLE: feature regression (smooth L1)
@@ -114,6 +114,7 @@ class TrainSettings(RunSettings):
   # 'window': random `window`-position windows near the answer, batch_windows a batch
   # the teacher's labels (EAGLE / EAGLE-3, draft model): 0 = the full
   # distribution (the LM head at every step); K = its top K per position,
+  # (Medusa: 0 = hard labels, the next tokens; K = soft labels from the top K)
   # stored with the features (the mean covered mass on validation is reported)
   teacher_top_k: int = 0
   # >= 0 (or negative, from the end): start the head's layer as a copy of this
@@ -171,7 +172,8 @@ _EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "feature_dropou
           "long_seq_len")
 # each method's own fields (the others of its config are shared)
 METHOD_FIELDS = {
-    "medusa": ("num_heads", "decay", "batch_positions", "valid_max_positions"),
+    "medusa": ("num_heads", "decay", "batch_positions", "valid_max_positions", "draft_vocab",
+               "teacher_top_k"),
     "eagle": _EAGLE,
     "eagle3": _EAGLE,
     "draft_model": ("draft_layers", "init_layers", "loss", "draft_vocab", "teacher_top_k",
