@@ -194,3 +194,14 @@ def test_hf_export_writes_the_full_model_and_runs_the_same(trained, tiny_target,
   with pytest.raises(FileExistsError, match="non-empty directory"):
     draft_train.export_hf(str(c.export), m, str(out))
   assert load_model(str(out)).cfg.num_layers == c.draft_layers
+
+
+def test_estimate_checkpoints_reproduces_the_exported_estimate(trained):
+  """experiments/estimate.py's function on a draft model: the estimate of
+  the exported checkpoints (full and reduced vocabulary) on their run's
+  validation records equals the one their cards hold."""
+  for c, _ in trained[0].values():
+    [(_, est)] = run.estimate_checkpoints(c, [c.export], progress=lambda s: None)
+    _, card = checkpoints.load_drafter(c.export, method="draft_model")
+    for name, value in card["estimated"].items():
+      assert est[name] == pytest.approx(value, abs=1e-6), name

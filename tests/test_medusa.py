@@ -286,3 +286,18 @@ def test_soft_labels_are_the_target_distribution_of_each_heads_token(trained):
 def transformer_lm_head(model, hidden):
   from specjax.models import transformer  # pylint: disable=import-outside-toplevel
   return transformer.lm_head(model.params, model.cfg, jnp.asarray(hidden))
+
+
+def test_estimate_checkpoints_reproduces_the_exported_estimate(trained, trained_reduced):
+  """experiments/estimate.py's function: the estimate of an exported
+  checkpoint on its run's validation records equals the one its card holds
+  (full and reduced vocabulary)."""
+  for c, _ in ((trained[0], None), trained_reduced):
+    [(path, est)] = run.estimate_checkpoints(c, [c.export], progress=lambda s: None)
+    _, card = checkpoints.load_drafter(c.export, method="medusa")
+    assert path == c.export and est.keys() == card["estimated"].keys()
+    for name, value in card["estimated"].items():
+      assert est[name] == pytest.approx(value, abs=1e-6), name
+  with pytest.raises(ValueError, match="skip_records"):
+    run.estimate_checkpoints(trained[0], [trained[0].export], skip_records=3,
+                             progress=lambda s: None)

@@ -64,7 +64,18 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   t_start = time.perf_counter()
   model = _target(c)
   os.makedirs(c.workdir, exist_ok=True)
-  # 1. data
+  train_seqs, valid_seqs, grown_seqs, _ = _data(c, model, progress)
+  if c.method in ("eagle", "eagle3"):
+    return _run_eagle(c, model, train_seqs, valid_seqs, progress, stop_after, t_start,
+                      grown_seqs)
+  if c.method == "draft_model":
+    return _run_draft_model(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
+  return _run_medusa(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
+
+
+def _data(c: TrainSettings, model: Model, progress):
+  """1. data: (training sequences, validation sequences, grown training
+  sequences, validation records) of the run `c` describes."""
   if c.model == TINY:
     records = _tiny_records(model, c)
   else:
@@ -99,12 +110,69 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   grown_seqs = distill_data.sequences(grown)
   progress(f"data: {len(train_seqs) + len(grown_seqs)} train / {len(valid_seqs)} valid "
            "sequences")
-  if c.method in ("eagle", "eagle3"):
-    return _run_eagle(c, model, train_seqs, valid_seqs, progress, stop_after, t_start,
-                      grown_seqs)
-  if c.method == "draft_model":
-    return _run_draft_model(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
-  return _run_medusa(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
+  return train_seqs, valid_seqs, grown_seqs, valid_recs
+
+
+def estimate_checkpoints(c: TrainSettings, paths, *, skip_records: int = 0,
+                         progress: Optional[Callable[[str], None]] = None):
+  """The teacher-forced acceptance estimate of exported checkpoints of
+  `c.method` on the validation records of the run `c` describes (the same
+  estimate its training keeps the best by; EAGLE: `valid_max_windows`
+  sequences, the draft model: `valid_max_seqs`, Medusa: `valid_max_positions`), so
+  checkpoints trained on different data compare on one set.
+
+  skip_records > 0: leave out the validation records whose ids are among the
+  data file's first `skip_records` records (e.g. a checkpoint trained on that
+  prefix before the validation ids were fixed). -> [(path, estimate)]"""
+  require(c, TrainSettings, "training.run.estimate_checkpoints")
+  progress = progress or (lambda s: print(s, flush=True))
+  model = _target(c)
+  cfg = model.cfg
+  _, valid_seqs, _, valid_recs = _data(c, model, progress)
+  if skip_records:
+    if c.model == TINY:
+      raise ValueError("skip_records reads the data file: not for the tiny target")
+    data_path = c.data_path or os.path.join(c.workdir, "distill.jsonl")
+    first = {q["id"] for q in distill_data.read_records(data_path)[:skip_records]}
+    valid_recs = [q for q in valid_recs if q["id"] not in first]
+    valid_seqs = distill_data.sequences(valid_recs)
+    progress(f"validation: {len(valid_recs)} records not among the file's first {skip_records}")
+  cache = _feature_cache(c)
+  if c.method == "medusa":
+    vpool = medusa_train.FeaturePool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len,
+                                           batch_size=c.feature_batch, top_k=c.teacher_top_k,
+                                           cache_dir=cache, reuse_taps=(eagle.eagle3_layers(cfg),))
+    if c.valid_max_positions and len(vpool) > c.valid_max_positions:
+      vpool = vpool.take(np.arange(c.valid_max_positions))
+  else:
+    taps = eagle.eagle3_layers(cfg) if c.method == "eagle3" else ()
+    vpool = eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len, taps=taps,
+                                      top_k=c.teacher_top_k, batch_size=c.feature_batch,
+                                      cache_dir=cache,
+                                      reuse_taps=() if taps else (eagle.eagle3_layers(cfg),))
+  out = []
+  for path in paths:
+    kind = "eagle3" if c.method == "eagle3" else c.method
+    params, _ = checkpoints.load_drafter(path, model.params, cfg, method=kind)
+    vocab = params.get("vocab")
+    if c.method == "medusa":
+      est = medusa_train.estimate({"w": params["w"], "b": params["b"]}, model.params, cfg,
+                                  vpool, int(params["w"].shape[0]), vocab=vocab)
+    elif c.method == "draft_model":
+      student = {"layers": jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params["layers"]),
+                 "final_norm": jnp.asarray(params["final_norm"], jnp.float32)}
+      scfg = draft_model_lib.student_config(cfg, len(student["layers"]))
+      est = draft_train.estimate(student, model.params, cfg, scfg, vpool, c.eval_k, vocab,
+                                 batch_seqs=c.batch_seqs, max_len=c.seq_len,
+                                 max_seqs=c.valid_max_seqs or None)
+    else:
+      head = {k: v for k, v in params.items() if k not in ("vocab", "vocab_rank")}
+      windows = (vpool.eval_sequences(c.valid_max_windows or None) if c.context == "sequence"
+                 else vpool.eval_windows(c.window, c.valid_max_windows or None))
+      est = eagle_train.estimate(head, model.params, cfg, windows, c.eval_k, vocab)
+    progress(f"{path}: " + json.dumps({k: round(float(v), 4) for k, v in est.items()}))
+    out.append((path, est))
+  return out
 
 
 def _run_medusa(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress, stop_after,
