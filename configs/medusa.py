@@ -2,6 +2,7 @@
 
   python experiments/train.py --config=configs/medusa.py
   python experiments/train.py --config=configs/medusa.py:tiny   # seconds, tests
+  python experiments/train.py --config=configs/medusa.py:reduced_distill  # every self-distilled answer
   python experiments/train.py --config=configs/medusa.py:reduced_ref8k  # the shipped EAGLE-3 head's data
 
 Self-distillation data is generated (and resumed) at `data_path` (default
@@ -48,7 +49,20 @@ def get_config(arg=None):
                   lr=1e-3, warmup=100, valid_max_positions=16384, eval_every=500,
                   save_every=250, workdir="/tmp/specjax_train/medusa_v8k_ref8k",
                   export=c.export + "_ref8k"))
+  elif arg == "reduced_distill":  # the target's own answers only: every self-distilled
+    # record of the data file (all sources) but the scaling work's validation ids
+    # (the draft model's `:distill` data; its feature shards serve), an 8192-token
+    # draft vocabulary, soft labels from the stored top-128 teacher, 3 epochs.
+    # A head reads only h_t: on the target's own text x_{t+1} is the argmax h_t
+    # encodes, on reference answers it is not (`:reduced_ref8k` trains worse)
+    c.update(dict(num_examples=0, train_positions=0, reference_examples=0,
+                  valid_ids_path=os.path.join(_REPO, "experiments", "results", "scaling",
+                                              "valid_ids.json"),
+                  draft_vocab=8192, teacher_top_k=128, epochs=3.0, batch_positions=512,
+                  lr=1e-3, warmup=100, valid_max_positions=16384, eval_every=250,
+                  save_every=250, workdir="/tmp/specjax_train/medusa_v8k_distill",
+                  export=c.export + "_distill"))
   elif arg:
     raise ValueError(f"unknown variant {arg!r} of configs/medusa.py "
-                     "(known: tiny, tiny_reduced, reduced_ref8k)")
+                     "(known: tiny, tiny_reduced, reduced_ref8k, reduced_distill)")
   return c
