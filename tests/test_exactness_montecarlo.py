@@ -71,8 +71,9 @@ SETTINGS = [
     ("layer_skip-topk-k5-B1", LayerSkip(k=5, layers=(0,), sampling=T1), TOPK, PROMPTS1),
     ("prompt_lookup-topp-k3-B4", PromptLookup(k=3, max_ngram=2), TOPP, PROMPTS4),
     # Medusa heads sample at T = 0.7 for a T = 1 target; blockwise is their
-    # top-1 chain (one-hot q) under a top-p target, from heads with a reduced
-    # draft vocabulary (as every Medusa tree below: q zero on half the tokens).
+    # top-1 chain (one-hot q) under a top-p target; both from heads with a
+    # reduced draft vocabulary (as every Medusa tree below: q zero on half the
+    # tokens; the long-horizon PIT test runs the chain on the full vocabulary).
     ("medusa-T1-k3-B4", Medusa(k=3, sampling=T07), T1, PROMPTS4),
     ("blockwise-topp-k2-B1", Blockwise(k=2), TOPP, PROMPTS1),
     # EAGLE heads (true-feature rewrite after every verify, chain on own
@@ -143,9 +144,11 @@ def _draft_params(drafter, draft, name=None):
     return REDUCED_DRAFT
   if isinstance(drafter, Eagle):
     return EAGLE_HEADS[drafter.fused]
-  if isinstance(drafter, (Blockwise, MedusaTree)):
+  if name is not None and isinstance(drafter, Medusa):  # the family: a reduced vocabulary
     return HEADS_REDUCED
-  if isinstance(drafter, Medusa):
+  if isinstance(drafter, MedusaTree):
+    return HEADS_REDUCED
+  if isinstance(drafter, Medusa):  # the PIT's chain: the full vocabulary
     return HEADS
   return draft if isinstance(drafter, DraftModel) else None
 

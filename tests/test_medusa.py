@@ -178,8 +178,8 @@ def trained_reduced(tmp_path_factory, load_config):
 
 def test_reduced_vocabulary_heads_export_and_decode_as_ar(trained_reduced):
   """The export carries the draft vocabulary and its ranking; loaded through
-  the registry (the LM-head rows gathered once), the heads' guesses are
-  tokens of that vocabulary, and greedy medusa / blockwise equal AR."""
+  the registry (the LM-head rows gathered once), greedy medusa / blockwise
+  equal AR; draft_vocab=N narrows it at load time."""
   from specjax.drafters import registry  # pylint: disable=import-outside-toplevel
   c, out = trained_reduced
   hist = [json.loads(x) for x in open(os.path.join(c.workdir, "metrics.jsonl"))]
@@ -254,6 +254,7 @@ def test_soft_labels_are_the_target_distribution_of_each_heads_token(trained):
   seqs = [([1, 5, 9, 3, 17, 4, 22, 8, 8, 30, 2], 4), ([1, 7, 7, 12, 40, 2], 3)]
   pool = medusa_train.FeaturePool.build(model.params, model.cfg, seqs, seq_len=16, top_k=v)
   assert len(pool) == (11 - 4) + (6 - 3)
+  assert pool.nxt.tolist() == seqs[0][0][4:] + seqs[1][0][3:]  # x_{t+1} of t = plen - 1 ..
   idx = np.arange(len(pool))
   batch = pool.batch(idx, 3, teacher=True)
   p_full = np.asarray(jax.jit(lambda h: jax.nn.softmax(transformer_lm_head(model, h), -1))(
@@ -276,6 +277,15 @@ def test_soft_labels_are_the_target_distribution_of_each_heads_token(trained):
   np.testing.assert_allclose(float(soft_full), float(soft_range), rtol=1e-5)
   hard = {k: x for k, x in jb.items() if not k.startswith("p_")}
   assert abs(float(loss(hard, None)) - float(soft_full)) > 1e-3  # the soft labels are used
+  # hard labels: a full-range vocabulary changes nothing; a label outside a
+  # true subset carries no weight
+  np.testing.assert_allclose(float(loss(hard, None)), float(loss(hard, jnp.arange(v))),
+                             rtol=1e-5)
+  sub = jnp.arange(0, v, 2)
+  one = {k: np.asarray(x[:1]) for k, x in hard.items()}
+  one["valid"] = np.asarray([[1.0, 0.0, 0.0]], np.float32)
+  even, odd = (dict(one, labels=np.asarray([[t, 0, 0]], np.int32)) for t in (4, 5))
+  assert float(loss(even, sub)) > 0 and float(loss(odd, sub)) == 0.0
   est = medusa_train.estimate(heads, model.params, model.cfg, pool, 3)
   est_range = medusa_train.estimate(heads, model.params, model.cfg, pool, 3,
                                     vocab=jnp.arange(v))

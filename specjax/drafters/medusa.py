@@ -68,7 +68,7 @@ def head_logits(heads: dict, target_params, target_cfg, h: jax.Array,
   (..., H, Vd) over the heads' reduced draft vocabulary (its LM-head rows;
   `lm_w` passes them in, e.g. to a training step)."""
   states = head_states(heads, h, num)
-  if lm_w is None and "vocab" not in heads and "lm_rows" not in heads:
+  if lm_w is None and "vocab" not in heads:
     return transformer.lm_head(target_params, target_cfg, states)
   w = head_weights(heads, target_params, target_cfg) if lm_w is None else lm_w
   return transformer._dot(states, w)  # pylint: disable=protected-access
@@ -108,7 +108,10 @@ class Medusa(Drafter):
       raise ValueError(f"{self.name}: k={self.k} needs {self.k} heads, the checkpoint has {h}")
     if "vocab" in params:
       v = params["vocab"]
-      if v.ndim != 1 or int(jnp.max(v)) >= target_cfg.vocab_size or int(jnp.min(v)) < 0:
+      if v.ndim != 1:
+        raise ValueError(f"{self.name}: the reduced vocabulary must be a 1-D array of token "
+                         f"ids, got shape {tuple(v.shape)}")
+      if int(jnp.max(v)) >= target_cfg.vocab_size or int(jnp.min(v)) < 0:
         raise ValueError(f"{self.name}: reduced vocabulary ids must lie in "
                          f"[0, {target_cfg.vocab_size})")
 
@@ -263,6 +266,15 @@ class MedusaTree(Medusa):
   @property
   def num_nodes(self) -> int:
     return len(self.choices)
+
+  def check(self, target_cfg, params) -> None:
+    super().check(target_cfg, params)
+    _, _, ranks, _ = self._structure()
+    v = int(params["vocab"].shape[0]) if "vocab" in params else target_cfg.vocab_size
+    if max(ranks) + 1 > v:
+      raise ValueError(f"{self.name}: the tree asks for rank {max(ranks)} of a head, the draft "
+                       f"vocabulary has {v} tokens; choose fewer tree_nodes or a larger "
+                       "draft_vocab")
 
   @property
   def lossy(self) -> bool:

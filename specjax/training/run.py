@@ -123,7 +123,9 @@ def estimate_checkpoints(c: TrainSettings, paths, *, skip_records: int = 0,
 
   skip_records > 0: leave out the validation records whose ids are among the
   data file's first `skip_records` records (e.g. a checkpoint trained on that
-  prefix before the validation ids were fixed). -> [(path, estimate)]"""
+  prefix before the validation ids were fixed). The data file is read as
+  training reads it (a config with num_examples > 0 would first generate
+  what the file lacks). -> [(path, estimate)]"""
   require(c, TrainSettings, "training.run.estimate_checkpoints")
   progress = progress or (lambda s: print(s, flush=True))
   model = _target(c)
@@ -137,6 +139,8 @@ def estimate_checkpoints(c: TrainSettings, paths, *, skip_records: int = 0,
     valid_recs = [q for q in valid_recs if q["id"] not in first]
     valid_seqs = distill_data.sequences(valid_recs)
     progress(f"validation: {len(valid_recs)} records not among the file's first {skip_records}")
+    if not valid_recs:
+      raise ValueError(f"skip_records={skip_records}: no validation record is left to estimate on")
   cache = _feature_cache(c)
   if c.method == "medusa":
     vpool = medusa_train.FeaturePool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len,
@@ -226,10 +230,11 @@ def _run_medusa(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress
   final_eval = eval_fn(best)
   out.update(best_step=best_step, estimate=final_eval)
   if c.export:
-    if vocab is not None:
-      rank = np.lexsort((np.arange(model.cfg.vocab_size),
-                         -eagle_train.token_counts(train_seqs, model.cfg.vocab_size)))
-      best = dict(best, vocab=vocab, vocab_rank=jnp.asarray(rank, jnp.int32))
+    # the ranking always (draft_vocab=N at load time), the vocabulary when reduced
+    rank = np.lexsort((np.arange(model.cfg.vocab_size),
+                       -eagle_train.token_counts(train_seqs, model.cfg.vocab_size)))
+    best = dict(best, vocab_rank=jnp.asarray(rank, jnp.int32),
+                **({} if vocab is None else {"vocab": vocab}))
     card = {"method": "medusa", "num_heads": c.num_heads,
             "draft_vocab": 0 if vocab is None else int(len(vocab)),
             "target": c.model, "target_fingerprint": checkpoints.target_fingerprint(

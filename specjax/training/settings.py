@@ -112,9 +112,9 @@ class TrainSettings(RunSettings):
   # 'sequence': whole sequences from position 0 (prompt + answer, one length
   # bucket per batch, batch_tokens positions), the prefix drafting sees;
   # 'window': random `window`-position windows near the answer, batch_windows a batch
-  # the teacher's labels (EAGLE / EAGLE-3, draft model): 0 = the full
+  # the teacher's labels (EAGLE / EAGLE-3, draft model; Medusa: 0 = hard
+  # labels, the tokens themselves): 0 = the full
   # distribution (the LM head at every step); K = its top K per position,
-  # (Medusa: 0 = hard labels, the next tokens; K = soft labels from the top K)
   # stored with the features (the mean covered mass on validation is reported)
   teacher_top_k: int = 0
   # >= 0 (or negative, from the end): start the head's layer as a copy of this
