@@ -36,19 +36,14 @@ def get_config(arg=None):
   elif arg == "tiny_reduced":  # + a reduced draft vocabulary and the top-K teacher
     c = get_config("tiny")
     c.update(dict(draft_vocab=32, teacher_top_k=16, lr=1e-2))
-  elif arg == "reduced_ref8k":  # the data of the EAGLE-3 head's first stage
-    # (configs/eagle3.py:reduced_nocode_seq_ref8k: 257 self-distilled records
-    # without code + 8,000 datasets' reference answers, the scaling work's
-    # validation ids; its feature shards serve), an 8192-token draft
-    # vocabulary, soft labels from the stored top-128 teacher, 2 epochs
+  elif arg == "reduced_ref8k":  # the recipe below on the data of the EAGLE-3 head's first
+    # stage (configs/eagle3.py:reduced_nocode_seq_ref8k: 257 self-distilled records
+    # without code + 8,000 datasets' reference answers; its feature shards serve), 2 epochs
+    c = get_config("reduced_distill")
     c.update(dict(train_sources="alpaca,gsm8k_train,xsum", train_positions=46000,
-                  reference_examples=8000, num_examples=0,
-                  valid_ids_path=os.path.join(_REPO, "experiments", "results", "scaling",
-                                              "valid_ids.json"),
-                  draft_vocab=8192, teacher_top_k=128, epochs=2.0, batch_positions=512,
-                  lr=1e-3, warmup=100, valid_max_positions=16384, eval_every=500,
-                  save_every=250, workdir="/tmp/specjax_train/medusa_v8k_ref8k",
-                  export=c.export + "_ref8k"))
+                  reference_examples=8000, epochs=2.0, eval_every=500,
+                  workdir="/tmp/specjax_train/medusa_v8k_ref8k",
+                  export=c.export[:-len("_distill")] + "_ref8k"))
   elif arg == "reduced_distill":  # the target's own answers only: every self-distilled
     # record of the data file (all sources) but the scaling work's validation ids
     # (the draft model's `:distill` data; its feature shards serve), an 8192-token
