@@ -241,7 +241,7 @@ def token_counts(sequences: Sequence[Tuple[List[int], int]], vocab_size: int) ->
 def reduced_vocab(counts: np.ndarray, size: int, always: Sequence[int] = ()) -> np.ndarray:
   """The `size` most frequent tokens (ties by id), always including `always`
   (e.g. EOS), sorted by id."""
-  order = np.lexsort((np.arange(len(counts)), -counts))
+  order = token_rank(counts)
   keep = [int(a) for a in always if 0 <= a < len(counts)]
   keep += [int(x) for x in order if int(x) not in keep][:max(size - len(keep), 0)]
   return np.sort(np.asarray(keep, np.int32))
@@ -315,6 +315,17 @@ def target_probs(target_params, cfg, f_next, vocab=None):
   return p if vocab is None else jnp.take(p, vocab, axis=-1), p
 
 
+def token_rank(counts: np.ndarray) -> np.ndarray:
+  """Every token id, most frequent first (ties by id): a checkpoint's "vocab_rank"."""
+  return np.lexsort((np.arange(len(counts)), -counts))
+
+
+def vocab_index(vocab, vocab_size: int) -> jax.Array:
+  """(vocab_size,) int32: each token's index in the draft vocabulary, -1 outside it."""
+  return jnp.full((vocab_size,), -1, jnp.int32).at[vocab].set(
+      jnp.arange(vocab.shape[0], dtype=jnp.int32))
+
+
 def teacher_from_top_k(ids, probs, vocab, vocab_size: int) -> jax.Array:
   """Dense teacher distributions (..., Vd) over the draft vocabulary (all
   tokens when `vocab` is None) from top-K ids / probabilities (..., K); the
@@ -323,9 +334,7 @@ def teacher_from_top_k(ids, probs, vocab, vocab_size: int) -> jax.Array:
   if vocab is None:
     col, size = ids, vocab_size
   else:
-    where = jnp.full((vocab_size,), -1, jnp.int32).at[vocab].set(
-        jnp.arange(vocab.shape[0], dtype=jnp.int32))
-    col, size = where[ids], vocab.shape[0]
+    col, size = vocab_index(vocab, vocab_size)[ids], vocab.shape[0]
   lead = ids.shape[:-1]
   dense = jnp.zeros((int(np.prod(lead)), size), jnp.float32)
   rows = jnp.arange(dense.shape[0])[:, None]

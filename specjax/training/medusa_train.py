@@ -115,9 +115,7 @@ def _in_vocab(labels, vocab, vocab_size: int):
   whether the drafter can propose them)."""
   if vocab is None:
     return labels, jnp.ones(labels.shape, bool)
-  where = jnp.full((vocab_size,), -1, jnp.int32).at[vocab].set(
-      jnp.arange(vocab.shape[0], dtype=jnp.int32))
-  col = where[labels]
+  col = eagle_train.vocab_index(vocab, vocab_size)[labels]
   return jnp.maximum(col, 0), col >= 0
 
 

@@ -141,23 +141,17 @@ def estimate_checkpoints(c: TrainSettings, paths, *, skip_records: int = 0,
     progress(f"validation: {len(valid_recs)} records not among the file's first {skip_records}")
     if not valid_recs:
       raise ValueError(f"skip_records={skip_records}: no validation record is left to estimate on")
-  cache = _feature_cache(c)
   if c.method == "medusa":
-    vpool = medusa_train.FeaturePool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len,
-                                           batch_size=c.feature_batch, top_k=c.teacher_top_k,
-                                           cache_dir=cache, reuse_taps=(eagle.eagle3_layers(cfg),))
-    if c.valid_max_positions and len(vpool) > c.valid_max_positions:
-      vpool = vpool.take(np.arange(c.valid_max_positions))
+    vpool = _medusa_valid(c, _medusa_pool(c, model, valid_seqs))
   else:
     taps = eagle.eagle3_layers(cfg) if c.method == "eagle3" else ()
     vpool = eagle_train.SeqPool.build(model.params, cfg, valid_seqs, seq_len=c.seq_len, taps=taps,
                                       top_k=c.teacher_top_k, batch_size=c.feature_batch,
-                                      cache_dir=cache,
+                                      cache_dir=_feature_cache(c),
                                       reuse_taps=() if taps else (eagle.eagle3_layers(cfg),))
   out = []
   for path in paths:
-    kind = "eagle3" if c.method == "eagle3" else c.method
-    params, _ = checkpoints.load_drafter(path, model.params, cfg, method=kind)
+    params, _ = checkpoints.load_drafter(path, model.params, cfg, method=c.method)
     vocab = params.get("vocab")
     if c.method == "medusa":
       est = medusa_train.estimate({"w": params["w"], "b": params["b"]}, model.params, cfg,
@@ -179,19 +173,31 @@ def estimate_checkpoints(c: TrainSettings, paths, *, skip_records: int = 0,
   return out
 
 
+def _medusa_pool(c: TrainSettings, model: Model, seqs, progress=None):
+  """Medusa's flat feature pool of `seqs` (the shard cache; an EAGLE-3 run's
+  shards of the same data and teacher top-K serve)."""
+  return medusa_train.FeaturePool.build(model.params, model.cfg, seqs, seq_len=c.seq_len,
+                                        batch_size=c.feature_batch, top_k=c.teacher_top_k,
+                                        cache_dir=_feature_cache(c),
+                                        reuse_taps=(eagle.eagle3_layers(model.cfg),),
+                                        progress=progress)
+
+
+def _medusa_valid(c: TrainSettings, vpool):
+  """The validation positions Medusa's estimate reads: the first `valid_max_positions`."""
+  if c.valid_max_positions and len(vpool) > c.valid_max_positions:
+    return vpool.take(np.arange(c.valid_max_positions))
+  return vpool
+
+
 def _run_medusa(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress, stop_after,
                 t_start):
   """Medusa heads (also blockwise decoding's): a flat pool of answer positions."""
   # 2. features (once; reused by every epoch; an EAGLE-3 run's shards of the
   # same data and teacher top-K serve)
   t0 = time.perf_counter()
-  reuse = (eagle.eagle3_layers(model.cfg),)
-  pool, vpool = _pools("features", lambda: tuple(
-      medusa_train.FeaturePool.build(model.params, model.cfg, seqs, seq_len=c.seq_len,
-                                     batch_size=c.feature_batch, top_k=c.teacher_top_k,
-                                     cache_dir=_feature_cache(c), reuse_taps=reuse,
-                                     progress=progress if seqs is train_seqs else None)
-      for seqs in (train_seqs, valid_seqs)))
+  pool, vpool = _pools("features", lambda: (_medusa_pool(c, model, train_seqs, progress),
+                                            _medusa_pool(c, model, valid_seqs)))
   progress(f"features: {len(pool)} train / {len(vpool)} valid positions in "
            f"{time.perf_counter() - t0:.0f}s"
            + (f"; soft labels: the teacher's top-{c.teacher_top_k}" if c.teacher_top_k else ""))
@@ -213,9 +219,7 @@ def _run_medusa(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress
   step_target, dp = _data_parallel(model)
   step_fn = dp(medusa_train.make_step(opt, step_target, model.cfg, c.decay, vocab=vocab))
 
-  vsub = vpool
-  if c.valid_max_positions and len(vpool) > c.valid_max_positions:
-    vsub = vpool.take(np.arange(c.valid_max_positions))
+  vsub = _medusa_valid(c, vpool)
 
   def eval_fn(heads):
     return medusa_train.estimate(heads, model.params, model.cfg, vsub, c.num_heads, vocab=vocab)
@@ -231,9 +235,7 @@ def _run_medusa(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress
   out.update(best_step=best_step, estimate=final_eval)
   if c.export:
     # the ranking always (draft_vocab=N at load time), the vocabulary when reduced
-    rank = np.lexsort((np.arange(model.cfg.vocab_size),
-                       -eagle_train.token_counts(train_seqs, model.cfg.vocab_size)))
-    best = dict(best, vocab_rank=jnp.asarray(rank, jnp.int32),
+    best = dict(best, vocab_rank=_vocab_rank(model.cfg, train_seqs),
                 **({} if vocab is None else {"vocab": vocab}))
     card = {"method": "medusa", "num_heads": c.num_heads,
             "draft_vocab": 0 if vocab is None else int(len(vocab)),
@@ -495,9 +497,7 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
             pool.eval_windows(c.window, c.train_eval_sequences))
     out["train_estimate"] = eagle_train.estimate(best, model.params, cfg, seen, c.eval_k, vocab)
   if c.export:
-    rank = np.lexsort((np.arange(cfg.vocab_size),
-                       -eagle_train.token_counts(train_seqs, cfg.vocab_size)))
-    params = dict(best, vocab_rank=jnp.asarray(rank, jnp.int32),
+    params = dict(best, vocab_rank=_vocab_rank(cfg, train_seqs),
                   **({} if vocab is None else {"vocab": vocab}))
     card = {"method": c.method, "fused_layers": list(taps), "head_layers": c.head_layers,
             "draft_vocab": 0 if vocab is None else int(len(vocab)),
@@ -512,6 +512,13 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
     out["export"] = c.export
     progress(f"exported {c.export}")
   return out
+
+
+def _vocab_rank(cfg, train_seqs) -> jax.Array:
+  """Every token id, most frequent in the training answers first (exported as
+  "vocab_rank": draft_vocab=N chooses a vocabulary at load time)."""
+  return jnp.asarray(eagle_train.token_rank(eagle_train.token_counts(train_seqs, cfg.vocab_size)),
+                     jnp.int32)
 
 
 def _reduced_vocab(c: TrainSettings, cfg, train_seqs, progress):
@@ -582,10 +589,8 @@ def _run_draft_model(c: TrainSettings, model: Model, train_seqs, valid_seqs, pro
   out.update(best_step=best_step, estimate=final_eval, estimate_at_init=initial_eval)
   if c.export:
     store = jnp.dtype(c.store_dtype)
-    rank = np.lexsort((np.arange(cfg.vocab_size),
-                       -eagle_train.token_counts(train_seqs, cfg.vocab_size)))
     params = dict(jax.tree.map(lambda x: x.astype(store), best),
-                  vocab_rank=jnp.asarray(rank, jnp.int32),
+                  vocab_rank=_vocab_rank(cfg, train_seqs),
                   **({} if vocab is None else {"vocab": vocab}))
     card = {"method": "draft_model", "num_layers": c.draft_layers,
             "init_layers": list(init_layers), "loss": c.loss, "store_dtype": c.store_dtype,
