@@ -6,6 +6,8 @@ interleaved) and greedy speculative == greedy AR token for token with it on
   python experiments/invariance.py --config=configs/invariance.py:quick   # cost, seconds
   python experiments/invariance.py --config=configs/invariance.py --config.parts=cost \
       --config.tiles=0,5,20   # the invariant forward at several rows per tile
+  python experiments/invariance.py --config=configs/invariance.py --config.parts=cost \
+      --config.verify_contexts=128,512,1280   # B = 1 verify timings after L context tokens
   python experiments/invariance.py --config=configs/invariance.py --config.parts=bitwise \
       --config.tiles=0,5,20   # SmolLM2's verify blocks vs one-token steps, bit for bit
   python experiments/invariance.py --config=configs/invariance.py:small   # identity, 1 question per category
@@ -39,6 +41,7 @@ def get_config(arg=None):
   common.settings_fields(c, invariance.InvarianceSettings)
   if arg == "quick":
     c.parts, c.repeats, c.verify_calls, c.max_new_tokens = "cost", 1, 3, 8
+    c.verify_contexts = ""
   elif arg == "small":  # identity on one question per category, 32 tokens
     c.parts, c.prompt_limit, c.batch_size, c.max_new_tokens = "identity", 1, 1, 32
   elif arg:

@@ -112,6 +112,29 @@ def test_speedup_table_states_each_mode_against_the_default():
   assert "float32's default" in md
 
 
+def test_cost_table_states_verify_times_by_context_length(tmp_path):
+  """The cost part's second table: B = 1 t_verify(1) and t_verify(k + 1) after
+  each context length of `verify_contexts`, each against the default forward's;
+  a malformed list is refused before any model loads."""
+  c = _config(tmp_path, parts="cost", verify_batches="1", verify_contexts="512,1280")
+  rows = [{"dtype": "bfloat16", "batch_invariant": inv, "invariant_tile": tile,
+           "ar_tokens_per_s": 40.0, "ar_ratio": 1.0, "t_verify_B1_ms": 30.0,
+           "t_verify_B1_ratio": 1.0,
+           **{f"t_L{x}_w{w}_ms": t * x / 512 for x in (512, 1280) for w, t in ((1, t1), (5, t5))},
+           **{f"t_L{x}_w{w}_ratio": r for x in (512, 1280) for w, r in ((1, r1), (5, r5))}}
+          for inv, tile, t1, t5, r1, r5 in ((False, None, 36.0, 48.0, 1.0, 1.0),
+                                            (True, 5, 42.0, 52.0, 1.17, 1.08))]
+  md = invariance.markdown(rows, None, c)
+  assert "| L = 512: t(1) | vs default | t(5) | vs default | L = 1280: t(1) |" in md
+  assert "| bfloat16 | True | 5 | 42.0 | 1.17x | 52.0 | 1.08x | 105.0 | 1.17x | 130.0 | 1.08x |" in md
+  assert "| bfloat16 | False | - | 36.0 | 1.00x | 48.0 | 1.00x | 90.0 | 1.00x |" in md
+  assert "after L context" not in invariance.markdown(rows, None, _config(
+      tmp_path, parts="cost", verify_batches="1", verify_contexts=""))
+  for bad in ("512,x", "0", "-3"):
+    with pytest.raises(ConfigValueError, match="verify_contexts"):
+      invariance.run(_config(tmp_path, parts="cost", verify_contexts=bad), progress=lambda s: None)
+
+
 @pytest.mark.slow
 def test_speedup_part_runs_every_mode_on_every_question(tmp_path):
   """SmolLM2, two questions, 8 tokens, both precisions interleaved: a ratio per

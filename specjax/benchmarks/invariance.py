@@ -9,6 +9,11 @@ the same machine load):
   t_verify(k+1)  one chain verify forward of k + 1 tokens per row after the
                  prompt, at each batch size of `verify_batches`, median
                  over `verify_calls` calls
+  at context L   for each L of `verify_contexts`, B = 1: t_verify(1) (an AR
+                 step, or a narrow verify) and t_verify(k + 1) after L context
+                 tokens (attention reads the whole cache: Spec-Bench's
+                 summarization and RAG prompts run to ~1,300 tokens, where the
+                 invariant forward's tile-wide attention costs most)
 
 What it buys: with the setting on, greedy speculative decoding must equal
 greedy AR token for token, no near-tie allowance. For each precision and each
@@ -79,6 +84,7 @@ class InvarianceSettings(RunSettings):
   repeats: int = 4
   verify_calls: int = 20
   verify_batches: str = "1,4"  # t_verify(k + 1) at these batch sizes
+  verify_contexts: str = "512,1280"  # and B = 1 t_verify(1), t_verify(k + 1) after L tokens
   # cost and bitwise: the invariant forward at these rows per tile
   # (ModelConfig.invariant_tile; 0: the precision's default), beside the default forward
   tiles: str = "0"
@@ -136,6 +142,10 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
     batches = _batches(c)
     timers = {(m, b): _verify_timer(model, c.drafter.k, len(prompt), c.verify_calls, b)
               for m, model in models.items() for b in batches}
+    # (mode, context, width) at B = 1: a width-w block after `context` tokens
+    timers.update({(m, (ctx, w)): _verify_timer(model, w - 1, ctx, c.verify_calls)
+                   for m, model in models.items() for ctx in _contexts(c)
+                   for w in (1, c.drafter.k + 1)})
     for model in models.values():  # compile (every run decodes max_new_tokens: no EOS)
       ar.generate(model.params, model.cfg.replace(eos_id=-1), [prompt],
                   max_new_tokens=c.max_new_tokens)
@@ -147,8 +157,8 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
         res = ar.generate(model.params, model.cfg.replace(eos_id=-1), [prompt],
                           max_new_tokens=c.max_new_tokens)
         tps[m].append((res.num_new_tokens - 1) / res.decode_s)
-        for b in batches:
-          tv[(m, b)].append(timers[(m, b)]())
+        for key in [key for key in timers if key[0] == m]:
+          tv[key].append(timers[key]())
       progress(f"{dtype} repeat {r + 1}/{c.repeats}")
     for m in modes:
       row = {"dtype": dtype, "batch_invariant": m is not None,
@@ -158,6 +168,10 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
       for b in batches:
         t, t0 = statistics.median(tv[(m, b)]), statistics.median(tv[(None, b)])
         row[f"t_verify_B{b}_ms"], row[f"t_verify_B{b}_ratio"] = 1e3 * t, t / t0
+      for ctx in _contexts(c):
+        for w in (1, c.drafter.k + 1):
+          t, t0 = statistics.median(tv[(m, (ctx, w))]), statistics.median(tv[(None, (ctx, w))])
+          row[f"t_L{ctx}_w{w}_ms"], row[f"t_L{ctx}_w{w}_ratio"] = 1e3 * t, t / t0
       rows.append(row)
   return rows
 
@@ -363,6 +377,21 @@ def _batches(c: InvarianceSettings) -> List[int]:
   return [int(b) for b in str(c.verify_batches).split(",") if b]
 
 
+def _contexts(c: InvarianceSettings) -> List[int]:
+  """The cost part's context lengths for B = 1 verify timings, each >= 1."""
+  try:
+    ctxs = [int(x) for x in str(c.verify_contexts).split(",") if x.strip()]
+  except ValueError:
+    ctxs = []
+    bad = True
+  else:
+    bad = any(x < 1 for x in ctxs)
+  if bad:
+    raise ConfigValueError(f"verify_contexts must be comma-separated token counts >= 1 "
+                           f"('' for none), got {c.verify_contexts!r}")
+  return ctxs
+
+
 def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]],
              c: InvarianceSettings, bitwise_rows: Optional[List[dict]] = None,
              speedup_rows: Optional[List[dict]] = None) -> str:
@@ -415,6 +444,18 @@ def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]
                  f"{r['ar_ratio']:.2f}x | " + " | ".join(
                      f"{r[f't_verify_B{b}_ms']:.1f} | {r[f't_verify_B{b}_ratio']:.2f}x"
                      for b in _batches(c)) + " |")
+    if _contexts(c):
+      k1 = c.drafter.k + 1
+      out += ["", f"B = 1 after L context tokens: t_verify(1) (an AR step or a narrow verify) "
+              f"and t_verify({k1}), ms, and against the default forward's.", "",
+              "| dtype | batch_invariant | tile | " + " | ".join(
+                  f"L = {x}: t(1) | vs default | t({k1}) | vs default" for x in _contexts(c))
+              + " |", "|---|---|---|" + "---|---|---|---|" * len(_contexts(c))]
+      for r in cost_rows:
+        out.append(f"| {r['dtype']} | {r['batch_invariant']} | "
+                   f"{r.get('invariant_tile') or '-'} | " + " | ".join(
+                       f"{r[f't_L{x}_w{w}_ms']:.1f} | {r[f't_L{x}_w{w}_ratio']:.2f}x"
+                       for x in _contexts(c) for w in (1, k1)) + " |")
   if identity_rows:
     out += ["", f"Greedy speculative output vs greedy AR, token for token ({c.max_new_tokens} "
             f"new tokens, the first {c.prompt_limit} Spec-Bench questions per category, "
@@ -441,6 +482,8 @@ def run(c: InvarianceSettings, progress: Optional[Callable[[str], None]] = None)
                            f"'cost,identity,report,bitwise,speedup', got {c.parts!r}")
   if "report" in parts and not c.out:
     raise ConfigValueError("parts=report renders `out`/identity.jsonl: set out")
+  if "cost" in parts:
+    _contexts(c)  # a malformed list fails before any model loads
   bitwise_rows = bitwise_check(c, progress) if "bitwise" in parts else None
   speedup_rows = speedup(c, progress) if "speedup" in parts else None
   cost_rows = cost(c, progress) if "cost" in parts else None
