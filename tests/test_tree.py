@@ -312,3 +312,45 @@ def test_eagle_tree_settings_are_checked():
   sampled = EagleTree(k=3, tree_topk=3, tree_width=2, tree_nodes=5, sampling=sampling_lib.SamplingConfig(1.0))
   assert sampled.num_nodes == 3 + 2 * 2 * 3
   assert EagleTree(k=3, tree_topk=3, tree_width=2, tree_nodes=5).num_nodes == 5  # greedy: reranked
+
+
+def test_eagle_tree_program_never_materialises_a_broadcast_head_weight():
+  """An EAGLE-2 tree runs the head's products at one shape at every depth
+  >= 1. Through `_dot`'s multiply + reduction form (2-16 rows), XLA CPU
+  shared those products' broadcast weights and materialised each one as an
+  (F, rows, D) array, rebuilt every round (75 MB for the 8,192-row draft LM
+  head at 4 rows): a depth-4 tree drafted ~12x slower than a k = 2 chain.
+  The tree's depths use one XLA dot per product (`eagle.shared_dot`); the
+  compiled proposal, on SmolLM2's matrix shapes with a reduced draft
+  vocabulary, holds no array of a head weight's shape widened by rows.
+  (Reverting the tree to `_dot` makes this fail on the jaxlib this was
+  written on; timings are the benchmarks' job, not the suite's.)"""
+  import re  # pylint: disable=import-outside-toplevel
+  from specjax.drafters import eagle  # pylint: disable=import-outside-toplevel
+  from specjax.drafters.eagle_tree import EagleTree  # pylint: disable=import-outside-toplevel
+  from specjax.models.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  cfg = ModelConfig(vocab_size=49152, dim=576, num_layers=1, num_heads=9, num_kv_heads=3,
+                    head_dim=64, ffn_dim=1536, rope_theta=100000.0, max_seq_len=256)
+  params = transformer.init(jax.random.key(0), cfg)
+  head = eagle.prepare(eagle.init_head(jax.random.key(1), cfg, fused=True,
+                                       vocab=jnp.arange(8192, dtype=jnp.int32)), params, cfg)
+  drafter = EagleTree(k=3, tree_topk=4, tree_width=4, tree_nodes=4, fused=True)
+  spec = sp.SpecConfig(sampling=sampling_lib.GREEDY)
+  state = sp.start(params, cfg, drafter, [list(range(3, 40))], draft_params=head,
+                   max_new_tokens=16, spec=spec)
+  hlo = jax.jit(sp.spec_round, static_argnames=("cfg", "drafter", "spec")).lower(
+      params, cfg, drafter, head, spec, state).compile().as_text()  # one round, as decoding runs it
+  weights = {tuple(w.shape) for w in jax.tree.leaves(head) if w.ndim == 2}
+  assert (8192, 576) in weights and (3072, 576) in weights  # LM rows, gate + up
+  # arrays the program materialises: results of instructions outside fused
+  # computations (the entry, loop bodies, ...); a fusion's inside never is
+  blocks = re.split(r"\n(?=\S)", hlo)
+  fused = set(re.findall(r"fusion\(.*?calls=(%[\w.\-]+)", hlo))
+  shapes = set()
+  for block in blocks:
+    name = re.match(r"(?:ENTRY\s+)?(%[\w.\-]+)", block)
+    if name and name.group(1) not in fused:
+      shapes |= {tuple(int(n) for n in m.split(","))
+                 for m in re.findall(r"= f32\[(\d+,\d+,\d+)\]", block)}
+  widened = sorted(s for s in shapes if (s[0], s[2]) in weights and s[1] > 1)
+  assert not widened, f"materialised broadcast head weights: {widened}"

@@ -69,6 +69,17 @@ _write = transformer._write  # pylint: disable=protected-access
 _attention = transformer._attention  # pylint: disable=protected-access
 
 
+def shared_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x @ w^T as one XLA dot, float32 accumulation, whatever the row count: for
+  a weight that several products of one program read (a tree's depths).
+  `_dot`'s multiply + reduction form for 2-16 rows is the faster one for a
+  weight read once, but XLA CPU shares the broadcast weight between identical
+  products and materialises it ((F, rows, D) floats: 75 MB for the 8,192-row
+  draft LM head at 4 rows, rebuilt every round), which made a depth-4 EAGLE-2
+  tree's drafting cost ~12x a k = 2 chain's."""
+  return jnp.einsum("...d,fd->...f", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
 def eagle3_layers(cfg: ModelConfig) -> Tuple[int, int, int]:
   """Low / middle / high target layers EAGLE-3 fuses (outputs of these layers)."""
   n = cfg.num_layers
@@ -168,17 +179,17 @@ def fuse(head: dict, cfg: ModelConfig, feats: jax.Array) -> jax.Array:
 
 
 def pair_inputs(head: dict, target_params, cfg: ModelConfig, g: jax.Array,
-                tokens: jax.Array) -> jax.Array:
-  """u = FC([g ; emb(tokens)]): (..., D)."""
+                tokens: jax.Array, dot=_dot) -> jax.Array:
+  """u = FC([g ; emb(tokens)]): (..., D). `dot`: the matmul (`_dot`, or `shared_dot`)."""
   e = transformer.embed(target_params, tokens)
-  return _dot(jnp.concatenate([g.astype(jnp.float32), e], -1), head["fc"])
+  return dot(jnp.concatenate([g.astype(jnp.float32), e], -1), head["fc"])
 
 
-def layer_qkv(layer: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array):
+def layer_qkv(layer: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array, dot=_dot):
   b, t = x.shape[:2]
   hq, hkv, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   h = transformer.rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-  qkv = _dot(h, layer["wqkv"])
+  qkv = dot(h, layer["wqkv"])
   q = qkv[..., : hq * dh].reshape(b, t, hq, dh)
   k = qkv[..., hq * dh:(hq + hkv) * dh].reshape(b, t, hkv, dh)
   v = qkv[..., (hq + hkv) * dh:].reshape(b, t, hkv, dh)
@@ -186,33 +197,37 @@ def layer_qkv(layer: dict, cfg: ModelConfig, x: jax.Array, positions: jax.Array)
           transformer.rope(k, positions, cfg.rope_theta), v)
 
 
-def layer_out(layer: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array) -> jax.Array:
-  x = x + _dot(attn, layer["wo"])
+def layer_out(layer: dict, cfg: ModelConfig, x: jax.Array, attn: jax.Array,
+              dot=_dot) -> jax.Array:
+  x = x + dot(attn, layer["wo"])
   h = transformer.rms_norm(x, layer["mlp_norm"], cfg.norm_eps)
-  gate, up = jnp.split(_dot(h, layer["w_gate_up"]), 2, axis=-1)
-  return x + _dot(jax.nn.silu(gate) * up, layer["w_down"])
+  gate, up = jnp.split(dot(h, layer["w_gate_up"]), 2, axis=-1)
+  return x + dot(jax.nn.silu(gate) * up, layer["w_down"])
 
 
 def head_step(head: dict, target_params, cfg: ModelConfig, g: jax.Array, tokens: jax.Array,
               positions: jax.Array, cache: cache_lib.KVCache, *,
               active: Optional[jax.Array] = None,
-              allowed: Optional[jax.Array] = None) -> Tuple[jax.Array, cache_lib.KVCache]:
+              allowed: Optional[jax.Array] = None,
+              dot=_dot) -> Tuple[jax.Array, cache_lib.KVCache]:
   """Feed T pairs (g (B, T, D), tokens (B, T)) at the cache's fill level.
   Returns the head's outputs a (B, T, D) (its last layer's) and the cache
   (one entry per head layer) advanced by T.
   `allowed` (B, T, S): which slots each new pair attends to (default: the
-  prefix below the fill level and the new pairs causally; trees pass their own)."""
-  x = pair_inputs(head, target_params, cfg, g, tokens)
+  prefix below the fill level and the new pairs causally; trees pass their own).
+  `dot`: the matmul of every product (`_dot`, or `shared_dot` where a program
+  runs several steps of the same shape)."""
+  x = pair_inputs(head, target_params, cfg, g, tokens, dot)
   length = cache.length
   t = tokens.shape[1]
   if allowed is None:
     allowed = transformer.attention_mask(length, t, cache.num_slots)
   ks, vs = [], []
   for i, layer in enumerate(head_layers(head)):
-    q, k, v = layer_qkv(layer, cfg, x, positions)
+    q, k, v = layer_qkv(layer, cfg, x, positions, dot)
     ks.append(_write(cache.k[i], k, length, active))
     vs.append(_write(cache.v[i], v, length, active))
-    x = layer_out(layer, cfg, x, _attention(q, ks[-1], vs[-1], allowed, cfg))
+    x = layer_out(layer, cfg, x, _attention(q, ks[-1], vs[-1], allowed, cfg), dot)
   step = jnp.full(length.shape, t, jnp.int32)
   if active is not None:
     step = jnp.where(active, step, 0)
@@ -231,12 +246,12 @@ def head_weights(head: dict, target_params, cfg: ModelConfig) -> jax.Array:
 
 
 def draft_logits(head: dict, target_params, cfg: ModelConfig, a: jax.Array,
-                 w: Optional[jax.Array] = None) -> jax.Array:
+                 w: Optional[jax.Array] = None, dot=_dot) -> jax.Array:
   """Head output (..., D) -> float32 logits over the draft vocabulary (..., Vd)."""
   if "norm" in head:
     a = transformer.rms_norm(a, head["norm"], cfg.norm_eps)
   w = head_weights(head, target_params, cfg) if w is None else w
-  return _dot(a, w)
+  return dot(a, w)
 
 
 def prepare(head: dict, target_params, cfg: ModelConfig) -> dict:

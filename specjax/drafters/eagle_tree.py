@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
 from specjax.drafters.base import Proposal
-from specjax.drafters.eagle import Eagle, draft_logits, head_step, head_weights
+from specjax.drafters.eagle import Eagle, draft_logits, head_step, head_weights, shared_dot
 
 # Exact: "wor", "topk". LOSSY (opt-in, for measuring it): "topk_q" (see MedusaTree).
 EAGLE_TREE_MODES = ("wor", "topk", "topk_q")
@@ -131,7 +131,10 @@ class EagleTree(Eagle):
     dkeys = jax.vmap(lambda key: jax.random.split(key, depth))(keys)  # (B, depth)
 
     def draw(a, d):  # head outputs (B, P, D) -> children of those P parents
-      logits = draft_logits(params, target.params, cfg, a, lm_w)
+      # depths >= 1 read the head's weights once per depth: one XLA dot each
+      # (`shared_dot`); depth 0 is the chain's first draft, as the chain computes it
+      logits = (draft_logits(params, target.params, cfg, a, lm_w, dot=shared_dot) if d else
+                draft_logits(params, target.params, cfg, a, lm_w))
       q_sub = sampling_lib.probs(logits, self.sampling)
       return jax.vmap(lambda lg, qs, k_: self._children(lg, qs, k_, vocab, vsize))(
           logits, q_sub, dkeys[:, d])
@@ -174,7 +177,7 @@ class EagleTree(Eagle):
       pos = jnp.broadcast_to((base + d - 1)[:, None], (b, w))
       c = cache.with_length(base + e0)
       a_new, fed = head_step(params, target.params, cfg, f_a, f_tok, pos, c, active=ctx.active,
-                             allowed=allowed)
+                             allowed=allowed, dot=shared_dot)
       cache = cache.replace(k=fed.k, v=fed.v)  # the fill level stays at base
       tok, q, conf = draw(a_new, d)  # (B, W, K)
       sel_nodes = start[-1] + sel  # global node index of each frontier node
@@ -189,10 +192,7 @@ class EagleTree(Eagle):
     parent = jnp.concatenate(parents, 1)
     score = jnp.concatenate(scores, 1)
     total = tokens.shape[1]
-    if qs[0] is None:  # deterministic candidates: one-hot q
-      q = jax.nn.one_hot(tokens, vsize, dtype=jnp.float32)
-    else:
-      q = jnp.concatenate(qs, 1)
+    q = None if qs[0] is None else jnp.concatenate(qs, 1)
     if self.num_nodes < total:  # rerank (deterministic trees only): the most confident nodes
       dep = jnp.concatenate([jnp.full((x.shape[1],), i + 1) for i, x in enumerate(scores)])
       key_ = score - 1e-4 * dep[None]  # ties: parents first
@@ -203,7 +203,10 @@ class EagleTree(Eagle):
       par = jnp.take_along_axis(parent, keep, 1)
       parent = jnp.where(par < 0, -1, jnp.take_along_axis(new_index, jnp.maximum(par, 0), 1))
       tokens = jnp.take_along_axis(tokens, keep, 1)
-      q = jnp.take_along_axis(q, keep[..., None], 1)
+      if q is not None:
+        q = jnp.take_along_axis(q, keep[..., None], 1)
+    if q is None:  # deterministic candidates: one-hot q, of the kept nodes only
+      q = jax.nn.one_hot(tokens, vsize, dtype=jnp.float32)
     num = jnp.where(ctx.active, self.num_nodes, 0).astype(jnp.int32)
     return (Proposal(tokens=tokens, q=q, num_proposed=num, parent=parent),
             state.replace(cache=cache.with_length(base), base=base))
