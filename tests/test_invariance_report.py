@@ -130,6 +130,7 @@ def test_cost_table_states_verify_times_by_context_length(tmp_path):
   assert "| bfloat16 | False | - | 36.0 | 1.00x | 48.0 | 1.00x | 90.0 | 1.00x |" in md
   assert "after L context" not in invariance.markdown(rows, None, _config(
       tmp_path, parts="cost", verify_batches="1", verify_contexts=""))
+  assert invariance._contexts(_config(tmp_path, verify_contexts="512, 512,64")) == [512, 64]  # pylint: disable=protected-access
   for bad in ("512,x", "0", "-3"):
     with pytest.raises(ConfigValueError, match="verify_contexts"):
       invariance.run(_config(tmp_path, parts="cost", verify_contexts=bad), progress=lambda s: None)

@@ -106,11 +106,14 @@ class InvarianceSettings(RunSettings):
   drafter: DrafterSettings = DrafterSettings()
 
 
+_VERIFY_SLACK = 128  # cache slots past a timed block's context
+
+
 def _verify_timer(model, k: int, prompt_len: int, calls: int,
                   batch: int = 1) -> Callable[[], float]:
   cfg = model.cfg
   fwd = jax.jit(transformer.forward, static_argnames=("cfg", "batch_invariant"))
-  cache = cache_lib.init_cache(cfg, batch, cache_lib.round_up(prompt_len + 128, 16))
+  cache = cache_lib.init_cache(cfg, batch, cache_lib.round_up(prompt_len + _VERIFY_SLACK, 16))
   prompt = jnp.full((batch, prompt_len), 100, jnp.int32)
   _, _, cache = fwd(model.params, cfg, prompt, transformer.chain_positions(cache, prompt_len),
                     cache, batch_invariant=False)
@@ -142,6 +145,10 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
     batches = _batches(c)
     timers = {(m, b): _verify_timer(model, c.drafter.k, len(prompt), c.verify_calls, b)
               for m, model in models.items() for b in batches}
+    room = models[None].cfg.max_seq_len - _VERIFY_SLACK
+    if any(ctx > room for ctx in _contexts(c)):
+      raise ConfigValueError(f"verify_contexts {c.verify_contexts!r}: {c.model} holds at most "
+                             f"{room} context tokens before a timed block")
     # (mode, context, width) at B = 1: a width-w block after `context` tokens
     timers.update({(m, (ctx, w)): _verify_timer(model, w - 1, ctx, c.verify_calls)
                    for m, model in models.items() for ctx in _contexts(c)
@@ -379,16 +386,14 @@ def _batches(c: InvarianceSettings) -> List[int]:
 
 def _contexts(c: InvarianceSettings) -> List[int]:
   """The cost part's context lengths for B = 1 verify timings, each >= 1."""
-  try:
-    ctxs = [int(x) for x in str(c.verify_contexts).split(",") if x.strip()]
-  except ValueError:
-    ctxs = []
-    bad = True
-  else:
-    bad = any(x < 1 for x in ctxs)
-  if bad:
-    raise ConfigValueError(f"verify_contexts must be comma-separated token counts >= 1 "
+  error = ConfigValueError(f"verify_contexts must be comma-separated token counts >= 1 "
                            f"('' for none), got {c.verify_contexts!r}")
+  try:
+    ctxs = list(dict.fromkeys(int(x) for x in str(c.verify_contexts).split(",") if x.strip()))
+  except ValueError:
+    raise error from None
+  if any(x < 1 for x in ctxs):
+    raise error
   return ctxs
 
 
