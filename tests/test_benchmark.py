@@ -255,6 +255,74 @@ def test_paper_tables_end_to_end(smollm2_short, tmp_path):
     paper_tables.run(dataclasses.replace(c, tables="nope"), model=smollm2_short)
 
 
+def _as_bfloat16(model):
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  return dataclasses.replace(model, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                                        model.params),
+                             cfg=model.cfg.replace(dtype="bfloat16"))
+
+
+def test_reference_precision_ar_measured_beside_and_the_table_over_the_fastest(
+    smollm2_short, tmp_path):
+  """reference_dtype: AR also runs in that precision, interleaved; each row is
+  also measured against the faster of the two ARs, and the Spec-Bench table
+  shows that speedup with both ARs' tokens/s."""
+  from specjax.benchmarks import paper_tables  # pylint: disable=import-outside-toplevel
+  c = _config(tmp_path, TABLES_CONFIG_FILE, paper_tables.PaperTablesSettings,
+              methods="prompt_lookup", tables="specbench", reference_dtype="bfloat16")
+  sub = paper_tables._sub(c, os.path.join(c.out, "leviathan", "greedy"))  # pylint: disable=protected-access
+  ref_model = _as_bfloat16(smollm2_short)
+  first = specbench.run_benchmark(sub, model=smollm2_short, progress=lambda line: None,
+                                  reference_model=ref_model)
+  recs = specbench.read_log(os.path.join(sub.out, specbench.LOG))
+  assert {r["method"] for r in recs} == {"ar", "prompt_lookup"}
+  for r in recs:  # the reference AR ran in every unit, for every record
+    assert r["ref_ar_decode_tokens"] > 0 and all(s > 0 for s in r["ref_ar_decode_s"]), r
+  rows = {r["category"]: r for r in first["results"]}
+  overall = rows[specbench.ALL]
+  own_faster = overall["ar_tokens_per_s"] >= overall["reference_ar_tokens_per_s"]
+  for r in rows.values():
+    assert r["reference_dtype"] == "bfloat16" and r["reference_ar_tokens_per_s"] > 0
+    assert r["fastest_ar"] == ("float32" if own_faster else "bfloat16")
+    base = r["ar_tokens_per_s"] if own_faster else r["reference_ar_tokens_per_s"]
+    assert r["speedup_vs_fastest_ar"] == pytest.approx(r["tokens_per_s"] / base)
+    q1, q3 = r["speedup_vs_fastest_ar_iqr"]
+    assert q1 <= r["speedup_vs_fastest_ar_median"] <= q3
+  md = open(os.path.join(sub.out, "results.md")).read()
+  assert f"| bfloat16 AR tok/s | vs fastest AR ({overall['fastest_ar']}) | IQR |" in md
+  # the table resumes the run (nothing generated again) and shows the speedups over the fastest
+  table = paper_tables.specbench_table(c, model=smollm2_short, progress=lambda line: None)
+  assert f"Speedup over the fastest AR ({overall['fastest_ar']};" in table["markdown"]
+  assert "| AR tok/s (float32) |" in table["markdown"]
+  assert "| AR tok/s (bfloat16) |" in table["markdown"]
+  med = overall["speedup_vs_fastest_ar_median"]
+  assert "| prompt_lookup | " in table["markdown"] and f"{med:.2f}x [" in table["markdown"]
+  # refusals: the run's own precision, an unknown one, a model of another precision
+  for bad, match in (("float32", "differ from the run's dtype"),
+                     ("float16", "reference_dtype must be")):
+    with pytest.raises(ValueError, match=match):
+      specbench.run_benchmark(dataclasses.replace(sub, reference_dtype=bad, out=str(tmp_path / bad)),
+                              model=smollm2_short)
+  with pytest.raises(ValueError, match="reference_model is float32"):
+    specbench.run_benchmark(dataclasses.replace(sub, out=str(tmp_path / "m")),
+                            model=smollm2_short, reference_model=smollm2_short)
+
+
+def test_fastest_ar_is_the_precision_with_more_tokens_per_second():
+  """The pure choice behind speedup_vs_fastest_ar, both ways (and None without a reference)."""
+  def rec(method, own_s, ref_s):
+    return {"method": method, "ar_decode_tokens": 100, "ar_decode_s": [own_s],
+            "ref_ar_decode_tokens": 100, "ref_ar_decode_s": [ref_s]}
+  meta = {"precision": "bfloat16", "reference_dtype": "float32"}
+  assert specbench._fastest_ar([rec("m", 2.0, 1.0)], meta) == "float32"  # pylint: disable=protected-access
+  assert specbench._fastest_ar([rec("m", 1.0, 2.0)], meta) == "bfloat16"  # pylint: disable=protected-access
+  # the first method's records decide (every method carries the same AR runs)
+  assert specbench._fastest_ar([rec("m", 1.0, 2.0), rec("n", 9.0, 1.0)], meta) == "bfloat16"  # pylint: disable=protected-access
+  assert specbench._fastest_ar([rec("m", 2.0, 1.0)], {"precision": "bfloat16",  # pylint: disable=protected-access
+                                                      "reference_dtype": None}) is None
+
+
 def test_paper_tables_take_their_settings_dataclass():
   """configs/paper_tables.py's defaults are PaperTablesSettings'; its runs are
   BenchmarkSettings of the same values (the same settings ids); a ConfigDict

@@ -20,6 +20,12 @@ Protocol:
 * The AR baseline is the library's fastest AR path: one while_loop on
   device, the smallest cache it needs (block 1), the same prompts and batch.
 * `replay`'s reference is the AR output of the same prompt.
+* With `reference_dtype` (e.g. float32 beside a bfloat16 run), AR also runs in
+  that precision (its own model, the default forward), interleaved right
+  after the run's own AR in every repeat: a method is then also measured
+  against the fastest AR of the two precisions (the one with the higher
+  tokens/s over the whole run), since the precision that verifies blocks
+  cheapest need not be the one that decodes one token fastest.
 
 Aggregation per method and category (and over all categories, 'all'):
 
@@ -32,6 +38,10 @@ Aggregation per method and category (and over all categories, 'all'):
   tau              = tokens per target verify forward (bonus included)
   alpha            = accepted / evaluated guesses
   greedy_identical = every output equals AR's token for token (None when sampling)
+  fastest_ar       = with `reference_dtype`: the precision whose AR had the higher
+                     tokens/s over the run (else None)
+  speedup_vs_fastest_ar (and _median, _iqr) = the same as speedup (and its
+                     median, IQR) against that precision's interleaved AR runs
 
 Resume: every finished (question, method) is appended to `out/log.jsonl`; a
 restart with the same settings skips what is there. A run killed mid-append
@@ -81,7 +91,7 @@ ALL = "all"
 SETTINGS = ("model", "dtype", "k", "temperature", "top_k", "top_p", "batch_size",
             "max_new_tokens", "seed", "max_ngram", "min_ngram", "layers", "draft_model",
             "checkpoint", "draft_vocab", "tree_nodes", "tree_mode", "tree_topk", "tree_width",
-            "draft_stop", "mesh", "batch_invariant", "invariant_tile")
+            "draft_stop", "mesh", "batch_invariant", "invariant_tile", "reference_dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +104,9 @@ class BenchmarkSettings(RunSettings):
   # greedy speculative output equals greedy AR token for token; slower
   batch_invariant: bool = False
   invariant_tile: int = 0  # its rows per tile (ModelConfig.invariant_tile; 0: the default)
+  # AR also in this precision (e.g. 'float32' beside a bfloat16 run), interleaved:
+  # speedups also over the fastest AR of the two ('': the run's own AR only)
+  reference_dtype: str = ""
   prompts: str = SPEC_BENCH  # any JSONL file in Spec-Bench's format
   methods: str = "prompt_lookup,layer_skip"  # comma-separated drafters; AR is always run
   prompt_limit: Optional[int] = None  # questions per category; None: all
@@ -168,12 +181,14 @@ def _decode_tokens(result) -> int:
   return sum(max(len(t) - 1, 0) for t in result.tokens)
 
 
-def _new_record(unit, method, repeats, settings_id):
+def _new_record(unit, method, repeats, settings_id, reference=False):
   rec = {"unit": unit_id(unit), "question_ids": [q.question_id for q in unit],
          "category": unit[0].category, "method": method, "settings": settings_id,
          "turns": max(len(q.turns) for q in unit), "prompt_tokens": [],
          "decode_tokens": 0, "decode_s": [0.0] * repeats, "prefill_s": [0.0] * repeats,
          "tokens": []}
+  if reference:
+    rec.update({"ref_ar_decode_tokens": 0, "ref_ar_decode_s": [0.0] * repeats})
   if method != "ar":
     rec.update({"ar_decode_tokens": 0, "ar_decode_s": [0.0] * repeats,
                 "stats": {"rounds": 0, "emitted": 0, "proposed": 0, "accepted": 0,
@@ -183,11 +198,14 @@ def _new_record(unit, method, repeats, settings_id):
 
 
 def _run_unit(engine: Engine, c: BenchmarkSettings, unit, methods: Sequence[str],
-              ar_done: Optional[dict], settings_id: str, repeats: int, note: Callable[[str, int, int], None]):
-  """AR + `methods` interleaved on one unit -> records (AR's only if not done)."""
+              ar_done: Optional[dict], settings_id: str, repeats: int, note: Callable[[str, int, int], None],
+              ref_engine: Optional[Engine] = None):
+  """AR (and the reference precision's AR) + `methods` interleaved on one unit
+  -> records (AR's only if not done)."""
   model = engine.model
   tok, eos = model.tokenizer, model.cfg.eos_id
-  recs = {m: _new_record(unit, m, repeats, settings_id) for m in ["ar", *methods]}
+  recs = {m: _new_record(unit, m, repeats, settings_id, ref_engine is not None)
+          for m in ["ar", *methods]}
   recs["ar"]["answers"] = []
   built = {}
   answers = [[] for _ in unit]  # per row: AR's answer text of each turn so far
@@ -207,6 +225,13 @@ def _run_unit(engine: Engine, c: BenchmarkSettings, unit, methods: Sequence[str]
         recs[m]["ar_decode_s"][r] += res.decode_s
         if r == 0:
           recs[m]["ar_decode_tokens"] += _decode_tokens(res)
+      if ref_engine is not None:  # AR in the reference precision, right after
+        note(f"ar ({ref_engine.model.cfg.dtype})", t, r)
+        res = ref_engine.run(None, None, prompts, ids)
+        for m in ["ar", *methods]:
+          recs[m]["ref_ar_decode_s"][r] += res.decode_s
+          if r == 0:
+            recs[m]["ref_ar_decode_tokens"] += _decode_tokens(res)
       shift = r % max(len(methods), 1)  # rotate the order across repeats
       for m in list(methods[shift:]) + list(methods[:shift]):
         if m not in built or m == "replay":
@@ -275,6 +300,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
   per round."""
   out = []
   cats = list(dict.fromkeys(r["category"] for r in records))
+  fastest = _fastest_ar(records, meta)
   for m in methods:
     mine = [r for r in records if r["method"] == m]
     for cat in cats + [ALL]:
@@ -287,6 +313,21 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
       ar_tps = report.ratio(sum(r["ar_decode_tokens"] for r in rs), sum(ar_dec))
       per_q = [report.ratio(report.ratio(r["decode_tokens"], d), report.ratio(r["ar_decode_tokens"], a))
                for r, d, a in zip(rs, dec, ar_dec)]
+      vs = {"fastest_ar": None, "reference_dtype": None, "reference_ar_tokens_per_s": None,
+            "speedup_vs_fastest_ar": None, "speedup_vs_fastest_ar_median": None,
+            "speedup_vs_fastest_ar_iqr": None}
+      if fastest is not None:
+        ref_dec = [statistics.median(r["ref_ar_decode_s"]) for r in rs]
+        ref_tps = report.ratio(sum(r["ref_ar_decode_tokens"] for r in rs), sum(ref_dec))
+        own = fastest == meta["precision"]
+        vs_q = per_q if own else [
+            report.ratio(report.ratio(r["decode_tokens"], d), report.ratio(r["ref_ar_decode_tokens"], a))
+            for r, d, a in zip(rs, dec, ref_dec)]
+        vs.update(fastest_ar=fastest, reference_dtype=meta["reference_dtype"],
+                  reference_ar_tokens_per_s=ref_tps,
+                  speedup_vs_fastest_ar=report.ratio(tps, ar_tps if own else ref_tps),
+                  speedup_vs_fastest_ar_median=report.median(vs_q),
+                  speedup_vs_fastest_ar_iqr=report.quartiles(vs_q))
       st = {k: sum(r["stats"].get(k, 0) for r in rs)
             for k in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds",
                       "verified_tokens")}
@@ -306,7 +347,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
       out.append({
           "method": m, "category": cat,
           "speedup": report.ratio(tps, ar_tps), "speedup_iqr": report.quartiles(per_q),
-          "speedup_median": report.median(per_q),
+          "speedup_median": report.median(per_q), **vs,
           "tau": report.ratio(st["emitted"], st["rounds"]),
           "alpha": report.ratio(st["accepted"], st["proposed"]),
           "tokens_per_s": tps, "ar_tokens_per_s": ar_tps,
@@ -320,7 +361,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
                            if st["rounds"] else None),
           "narrow_frac": report.ratio(st["narrow_rounds"], st["rounds"]),
           **pred,
-          **{k: v for k, v in meta.items() if k not in ("checkpoints", "ks")},
+          **{k: v for k, v in meta.items() if k not in ("checkpoints", "ks", "reference_dtype")},
           "k": (meta.get("ks") or {}).get(m, meta.get("k")),
           # guesses verified per round: k for a chain, the node count for a tree
           "verify_width": (calibration[m].get("verify_width")
@@ -332,13 +373,33 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
            for k, v in row.items()} for row in out]
 
 
+def _fastest_ar(records: Sequence[dict], meta: dict) -> Optional[str]:
+  """The precision whose interleaved AR had the higher decode tokens/s over
+  every record of the run (the run's own or `reference_dtype`'s; None without
+  a reference). Each record carries the same units' AR runs, so the records
+  of one method decide it (the first method's, to be independent of which
+  methods a table shows)."""
+  if not meta.get("reference_dtype"):
+    return None
+  rs = [r for r in records if "ref_ar_decode_s" in r and r["method"] != "ar"]
+  if not rs:
+    return None
+  first = rs[0]["method"]
+  rs = [r for r in rs if r["method"] == first]
+  own = report.ratio(sum(r["ar_decode_tokens"] for r in rs),
+                     sum(statistics.median(r["ar_decode_s"]) for r in rs))
+  ref = report.ratio(sum(r["ref_ar_decode_tokens"] for r in rs),
+                     sum(statistics.median(r["ref_ar_decode_s"]) for r in rs))
+  return meta["reference_dtype"] if ref > own else meta["precision"]
+
+
 # --- the run ----------------------------------------------------------------------------
 
 
 def _settings(c: BenchmarkSettings) -> dict:
   out = report.config_settings(c.flat(), SETTINGS)
   # unset: records match those written before the setting existed
-  for key in ("batch_invariant", "invariant_tile"):
+  for key in ("batch_invariant", "invariant_tile", "reference_dtype"):
     if not out[key]:
       del out[key]
   return out
@@ -364,9 +425,13 @@ def _read_logs(out: str) -> List[dict]:
 
 
 def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
-                  progress: Optional[Callable[[str], None]] = None) -> dict:
+                  progress: Optional[Callable[[str], None]] = None,
+                  reference_model: Optional[Model] = None) -> dict:
   """Run (or resume) the benchmark of settings `c` (`BenchmarkSettings.of`
   reads configs/benchmark.py's ConfigDict).
+
+  `model` / `reference_model`: the run's model and its `reference_dtype`
+  model, if already loaded (else loaded from `c.model`).
 
   Writes `c.out`/log.jsonl, results.json, results.md, speedup.png. Returns
   {"results": [...], "markdown": str, "runs": generations this call, ...}.
@@ -396,6 +461,13 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
   if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (repeats, batch_size)):
     raise ConfigValueError(f"repeats and batch_size must be integers >= 1, got {repeats!r}, "
                            f"{batch_size!r}")
+  reference = str(c.reference_dtype or "")
+  if reference and (reference not in ("float32", "bfloat16") or reference == c.dtype):
+    raise ConfigValueError(f"reference_dtype must be 'float32' or 'bfloat16' and differ from "
+                           f"the run's dtype {c.dtype!r} ('' for none), got {reference!r}")
+  if reference_model is not None and reference_model.cfg.dtype != reference:
+    raise ConfigValueError(f"reference_model is {reference_model.cfg.dtype}, the run's "
+                           f"reference_dtype {reference!r}")
   sampling = c.sampling
   units = make_units(load_questions(c.prompts, c.prompt_limit), batch_size)
   os.makedirs(c.out, exist_ok=True)
@@ -415,7 +487,7 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
       json.dump(settings, f, indent=1)
   done = {(r["unit"], r["method"]): r for r in old}
 
-  engine = None
+  engine = ref_engine = None
   todo = [u for u in units if any((unit_id(u), m) not in done for m in ["ar", *methods])]
   total_q = sum(len(u) for u in units)
   q_done = total_q - sum(len(u) for u in todo)
@@ -429,6 +501,10 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
                                   invariant_tile=c.invariant_tile)
       engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed),
                       mesh=sharding.mesh_of(c.mesh))
+      if reference:
+        reference_model = reference_model or load_model(c.model, reference)
+        ref_engine = Engine(reference_model, sampling, int(c.max_new_tokens), int(c.seed),
+                            mesh=sharding.mesh_of(c.mesh))
     missing = [m for m in methods if (unit_id(unit), m) not in done]
     eta = ("?" if n == 0 else
            report.clock((time.perf_counter() - t_work) / n * (len(todo) - n)))
@@ -439,7 +515,7 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
                f"{report.clock(time.perf_counter() - t_start)}, ETA {eta}")
 
     recs = _run_unit(engine, c, unit, missing, done.get((unit_id(unit), "ar")), settings_id,
-                     repeats, note)
+                     repeats, note, ref_engine)
     jsonl.append(log_path, recs)
     for rec in recs:
       done[(rec["unit"], rec["method"])] = rec
@@ -459,6 +535,7 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
       "temperature": sampling.temperature, "batch_size": batch_size, "k": c.drafter.k,
       "top_k": sampling.top_k, "top_p": sampling.top_p,
       "precision": engine.model.cfg.dtype if engine else str(c.dtype),
+      "reference_dtype": reference or None,
       "seed": int(c.seed), "max_new_tokens": int(c.max_new_tokens),
       "checkpoints": {m: registry.drafter_id(m, c.drafter, engine.model if engine else None)
                       for m in methods},
@@ -486,8 +563,8 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
       calib = calibrate_lib.read_calibration(calib_path)
   results = summarize(records, methods, meta, calib)
   extra = {"repeats": repeats, "runtime_s": round(time.perf_counter() - t_start, 1),
-           "compile_s": round(engine.compile_s, 1) if engine else 0.0,
-           "timed_runs_this_call": engine.runs if engine else 0}
+           "compile_s": round(sum(e.compile_s for e in (engine, ref_engine) if e), 1),
+           "timed_runs_this_call": sum(e.runs for e in (engine, ref_engine) if e)}
   md = specbench_report.format_markdown(results, extra)
   if primary:
     with open(os.path.join(c.out, "results.json"), "w") as f:

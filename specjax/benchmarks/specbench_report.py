@@ -25,10 +25,20 @@ def _guesses(r) -> str:
   return f"k={r['k']}" if r.get("k") is not None else "-"
 
 
+def _vs_fastest(r) -> str:
+  """The reference precision's AR tok/s, the speedup over the fastest AR, its IQR."""
+  q1, q3 = r["speedup_vs_fastest_ar_iqr"]
+  return (f" {report.fmt(r['reference_ar_tokens_per_s'], '{:.1f}')} | "
+          f"{report.fmt(r['speedup_vs_fastest_ar'])}x | {report.fmt(q1)}-{report.fmt(q3)} |")
+
+
 def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> str:
   if not results:
     return "(no results)\n"
   r0 = results[0]
+  fastest = r0.get("fastest_ar")  # with a reference precision's AR interleaved
+  ref_head = (f" {r0['reference_dtype']} AR tok/s | vs fastest AR ({fastest}) | IQR |"
+              if fastest else "")
   lines = [
       f"Spec-Bench protocol: {r0['precision']}, k={r0['k']}, temperature={r0['temperature']}, "
       f"top_k={r0['top_k']}, top_p={r0['top_p']}, batch_size={r0['batch_size']}, "
@@ -37,8 +47,9 @@ def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> st
       "",
       "| method | category | prompts | guesses | speedup | IQR (per prompt) | predicted | "
       "Thm 3.8 | best k (predicted) | tau | alpha | ms/round | draft share | 1-token verifies | "
-      "tok/s | AR tok/s | greedy identical |",
-      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+      "tok/s | AR tok/s | greedy identical |" + ref_head,
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+      + ("---|---|---|" if fastest else ""),
   ]
   for r in results:
     q1, q3 = r["speedup_iqr"]
@@ -53,7 +64,7 @@ def format_markdown(results: Sequence[dict], extra: Optional[dict] = None) -> st
         f"{report.fmt(r.get('ms_per_round'), '{:.1f}')} | {pct(r.get('draft_frac'))} | "
         f"{pct(r.get('narrow_frac'))} | "
         f"{report.fmt(r['tokens_per_s'], '{:.1f}')} | {report.fmt(r['ar_tokens_per_s'], '{:.1f}')} | "
-        f"{_identity(r)} |")
+        f"{_identity(r)} |" + (_vs_fastest(r) if fastest else ""))
   if extra:
     lines += ["", ", ".join(f"{k}: {v}" for k, v in extra.items())]
   return "\n".join(lines) + "\n"
