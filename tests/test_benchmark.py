@@ -318,7 +318,10 @@ def test_fastest_ar_is_the_precision_with_more_tokens_per_second():
   assert specbench._fastest_ar([rec("m", 2.0, 1.0)], meta) == "float32"  # pylint: disable=protected-access
   assert specbench._fastest_ar([rec("m", 1.0, 2.0)], meta) == "bfloat16"  # pylint: disable=protected-access
   # the first method's records decide (every method carries the same AR runs)
-  assert specbench._fastest_ar([rec("m", 1.0, 2.0), rec("n", 9.0, 1.0)], meta) == "bfloat16"  # pylint: disable=protected-access
+  both = [rec("m", 1.0, 2.0), rec("n", 9.0, 1.0)]
+  assert specbench._fastest_ar(both, meta) == "bfloat16"  # pylint: disable=protected-access
+  assert specbench._fastest_ar(both, meta, ["n", "m"]) == "float32"  # pylint: disable=protected-access
+  assert specbench._fastest_ar(both, meta, ["absent", "n"]) == "float32"  # pylint: disable=protected-access
   assert specbench._fastest_ar([rec("m", 2.0, 1.0)], {"precision": "bfloat16",  # pylint: disable=protected-access
                                                       "reference_dtype": None}) is None
 

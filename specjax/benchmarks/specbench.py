@@ -300,7 +300,7 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
   per round."""
   out = []
   cats = list(dict.fromkeys(r["category"] for r in records))
-  fastest = _fastest_ar(records, meta)
+  fastest = _fastest_ar(records, meta, methods)
   for m in methods:
     mine = [r for r in records if r["method"] == m]
     for cat in cats + [ALL]:
@@ -373,18 +373,19 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
            for k, v in row.items()} for row in out]
 
 
-def _fastest_ar(records: Sequence[dict], meta: dict) -> Optional[str]:
+def _fastest_ar(records: Sequence[dict], meta: dict,
+                methods: Optional[Sequence[str]] = None) -> Optional[str]:
   """The precision whose interleaved AR had the higher decode tokens/s over
-  every record of the run (the run's own or `reference_dtype`'s; None without
-  a reference). Each record carries the same units' AR runs, so the records
-  of one method decide it (the first method's, to be independent of which
-  methods a table shows)."""
+  the run (the run's own or `reference_dtype`'s; None without a reference).
+  Every method's records carry the AR runs of their units, so one method's
+  records decide it: the first of `methods` (else of the records) that has any."""
   if not meta.get("reference_dtype"):
     return None
   rs = [r for r in records if "ref_ar_decode_s" in r and r["method"] != "ar"]
-  if not rs:
+  order = list(methods or []) + [r["method"] for r in rs]
+  first = next((m for m in order if any(r["method"] == m for r in rs)), None)
+  if first is None:
     return None
-  first = rs[0]["method"]
   rs = [r for r in rs if r["method"] == first]
   own = report.ratio(sum(r["ar_decode_tokens"] for r in rs),
                      sum(statistics.median(r["ar_decode_s"]) for r in rs))
