@@ -292,21 +292,40 @@ def test_reference_precision_ar_measured_beside_and_the_table_over_the_fastest(
   md = open(os.path.join(sub.out, "results.md")).read()
   assert f"| bfloat16 AR tok/s | vs fastest AR ({overall['fastest_ar']}) | IQR |" in md
   # the table resumes the run (nothing generated again) and shows the speedups over the fastest
+  with open(os.path.join(sub.out, specbench.LOG)) as f:
+    log = f.read()
   table = paper_tables.specbench_table(c, model=smollm2_short, progress=lambda line: None)
+  with open(os.path.join(sub.out, specbench.LOG)) as f:
+    assert f.read() == log
   assert f"Speedup over the fastest AR ({overall['fastest_ar']};" in table["markdown"]
   assert "| AR tok/s (float32) |" in table["markdown"]
   assert "| AR tok/s (bfloat16) |" in table["markdown"]
   med = overall["speedup_vs_fastest_ar_median"]
   assert "| prompt_lookup | " in table["markdown"] and f"{med:.2f}x [" in table["markdown"]
-  # refusals: the run's own precision, an unknown one, a model of another precision
-  for bad, match in (("float32", "differ from the run's dtype"),
-                     ("float16", "reference_dtype must be")):
+  # the setting keys the log: unset, a run's settings are those before it existed, and a
+  # log written with it refuses a run without it (and the reverse)
+  assert "reference_dtype" not in specbench._settings(dataclasses.replace(sub, reference_dtype=""))  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="other settings"):
+    specbench.run_benchmark(dataclasses.replace(sub, reference_dtype=""), model=smollm2_short)
+  # refusals: the run's own precision, an unknown one, a model of another precision, a
+  # given bfloat16 model beside a float32 reference (its weights cast up are not float32's)
+  for bad, match in (("float32", "'float32' is the run's own precision"),
+                     ("float16", "unknown reference_dtype 'float16'")):
     with pytest.raises(ValueError, match=match):
       specbench.run_benchmark(dataclasses.replace(sub, reference_dtype=bad, out=str(tmp_path / bad)),
                               model=smollm2_short)
   with pytest.raises(ValueError, match="reference_model is float32"):
     specbench.run_benchmark(dataclasses.replace(sub, out=str(tmp_path / "m")),
                             model=smollm2_short, reference_model=smollm2_short)
+  with pytest.raises(ValueError, match="pass reference_model"):
+    specbench.run_benchmark(dataclasses.replace(sub, dtype="bfloat16", reference_dtype="float32",
+                                                out=str(tmp_path / "up")), model=ref_model)
+  # without reference_model, the given model itself is cast (not c.model reloaded)
+  cast = specbench._cast_model(smollm2_short, "bfloat16")  # pylint: disable=protected-access
+  assert cast.cfg.num_layers == smollm2_short.cfg.num_layers and cast.cfg.dtype == "bfloat16"
+  import jax  # pylint: disable=import-outside-toplevel
+  assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(cast.params),
+                                                  jax.tree.leaves(ref_model.params)))
 
 
 def test_fastest_ar_is_the_precision_with_more_tokens_per_second():
@@ -324,6 +343,7 @@ def test_fastest_ar_is_the_precision_with_more_tokens_per_second():
   assert specbench._fastest_ar(both, meta, ["absent", "n"]) == "float32"  # pylint: disable=protected-access
   assert specbench._fastest_ar([rec("m", 2.0, 1.0)], {"precision": "bfloat16",  # pylint: disable=protected-access
                                                       "reference_dtype": None}) is None
+  assert specbench._fastest_ar([rec("m", 0.0, 1.0)], meta) is None  # pylint: disable=protected-access
 
 
 def test_paper_tables_take_their_settings_dataclass():

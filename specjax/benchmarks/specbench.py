@@ -373,6 +373,14 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
            for k, v in row.items()} for row in out]
 
 
+def _cast_model(model: Model, dtype: str) -> Model:
+  """`model` with its weights cast to `dtype` (float32 -> bfloat16 rounds each
+  weight as loading it in bfloat16 does)."""
+  params = jax.tree.map(lambda x: x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x,
+                        model.params)
+  return dataclasses.replace(model, params=params, cfg=model.cfg.replace(dtype=dtype))
+
+
 def _fastest_ar(records: Sequence[dict], meta: dict,
                 methods: Optional[Sequence[str]] = None) -> Optional[str]:
   """The precision whose interleaved AR had the higher decode tokens/s over
@@ -391,6 +399,8 @@ def _fastest_ar(records: Sequence[dict], meta: dict,
                      sum(statistics.median(r["ar_decode_s"]) for r in rs))
   ref = report.ratio(sum(r["ref_ar_decode_tokens"] for r in rs),
                      sum(statistics.median(r["ref_ar_decode_s"]) for r in rs))
+  if not (math.isfinite(own) and math.isfinite(ref)):
+    return None
   return meta["reference_dtype"] if ref > own else meta["precision"]
 
 
@@ -463,12 +473,24 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
     raise ConfigValueError(f"repeats and batch_size must be integers >= 1, got {repeats!r}, "
                            f"{batch_size!r}")
   reference = str(c.reference_dtype or "")
-  if reference and (reference not in ("float32", "bfloat16") or reference == c.dtype):
-    raise ConfigValueError(f"reference_dtype must be 'float32' or 'bfloat16' and differ from "
-                           f"the run's dtype {c.dtype!r} ('' for none), got {reference!r}")
+  own_dtype = model.cfg.dtype if model is not None else str(c.dtype)
+  if reference and reference not in ("float32", "bfloat16"):
+    raise ConfigValueError(f"unknown reference_dtype {reference!r}: 'float32', 'bfloat16' or "
+                           "'' (none)")
+  if reference and reference == own_dtype:
+    raise ConfigValueError(f"reference_dtype {reference!r} is the run's own precision: the "
+                           "reference AR must run in the other one")
   if reference_model is not None and reference_model.cfg.dtype != reference:
     raise ConfigValueError(f"reference_model is {reference_model.cfg.dtype}, the run's "
                            f"reference_dtype {reference!r}")
+  if reference and reference_model is None and model is not None:
+    # the benchmarked network itself in the reference precision (not c.model reloaded,
+    # which may be another network); exact only downwards
+    if reference != "bfloat16":
+      raise ConfigValueError(f"reference_dtype {reference!r} beside a given {own_dtype} model: "
+                             "pass reference_model (its weights cast up are not the "
+                             f"{reference} weights)")
+    reference_model = _cast_model(model, reference)
   sampling = c.sampling
   units = make_units(load_questions(c.prompts, c.prompt_limit), batch_size)
   os.makedirs(c.out, exist_ok=True)
