@@ -483,14 +483,14 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
   if reference_model is not None and reference_model.cfg.dtype != reference:
     raise ConfigValueError(f"reference_model is {reference_model.cfg.dtype}, the run's "
                            f"reference_dtype {reference!r}")
-  if reference and reference_model is None and model is not None:
-    # the benchmarked network itself in the reference precision (not c.model reloaded,
-    # which may be another network); exact only downwards
-    if reference != "bfloat16":
-      raise ConfigValueError(f"reference_dtype {reference!r} beside a given {own_dtype} model: "
-                             "pass reference_model (its weights cast up are not the "
-                             f"{reference} weights)")
-    reference_model = _cast_model(model, reference)
+  # a given model's reference is that network itself in the reference precision (not
+  # c.model reloaded, which may be another network), cast when decoding starts; exact
+  # only downwards
+  cast_reference = bool(reference) and reference_model is None and model is not None
+  if cast_reference and reference != "bfloat16":
+    raise ConfigValueError(f"reference_dtype {reference!r} beside a given {own_dtype} model: "
+                           "pass reference_model (its weights cast up are not the "
+                           f"{reference} weights)")
   sampling = c.sampling
   units = make_units(load_questions(c.prompts, c.prompt_limit), batch_size)
   os.makedirs(c.out, exist_ok=True)
@@ -525,7 +525,8 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
       engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed),
                       mesh=sharding.mesh_of(c.mesh))
       if reference:
-        reference_model = reference_model or load_model(c.model, reference)
+        reference_model = reference_model or (_cast_model(model, reference) if cast_reference
+                                              else load_model(c.model, reference))
         ref_engine = Engine(reference_model, sampling, int(c.max_new_tokens), int(c.seed),
                             mesh=sharding.mesh_of(c.mesh))
     missing = [m for m in methods if (unit_id(unit), m) not in done]
