@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 
@@ -273,10 +274,19 @@ def test_reference_precision_ar_measured_beside_and_the_table_over_the_fastest(
               methods="prompt_lookup", tables="specbench", reference_dtype="bfloat16")
   sub = paper_tables._sub(c, os.path.join(c.out, "leviathan", "greedy"))  # pylint: disable=protected-access
   ref_model = _as_bfloat16(smollm2_short)
-  first = specbench.run_benchmark(sub, model=smollm2_short, progress=lambda line: None,
+  lines = []
+  first = specbench.run_benchmark(sub, model=smollm2_short, progress=lines.append,
                                   reference_model=ref_model)
   recs = specbench.read_log(os.path.join(sub.out, specbench.LOG))
   assert {r["method"] for r in recs} == {"ar", "prompt_lookup"}
+  # the two ARs run back to back, the reference first where question + turn + repeat is odd
+  ars = [m.groups() for m in (re.search(r"q(\d+) turn (\d+) (ar(?: \(bfloat16\))?) repeat (\d+)/", l)
+                              for l in lines) if m]
+  firsts = {}
+  for q, t, name, r in ars:
+    firsts.setdefault((int(q), int(t) - 1, int(r) - 1), name)
+  assert firsts == {(2, 0, 0): "ar", (2, 1, 0): "ar (bfloat16)", (3, 0, 0): "ar (bfloat16)"}
+  assert len(ars) == 2 * len(firsts)
   for r in recs:  # the reference AR ran in every unit, for every record
     assert r["ref_ar_decode_tokens"] > 0 and all(s > 0 for s in r["ref_ar_decode_s"]), r
   rows = {r["category"]: r for r in first["results"]}
