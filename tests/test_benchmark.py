@@ -99,6 +99,7 @@ def test_results_files_and_schema(bench):
     widths = {"1", "2", "3"} if m.endswith("@k=2") else {"1", "2", "3", "5"}
     assert calib[m]["k"] == int(max(widths)) - 1 and set(calib[m]["t_verify"]) == widths
     assert calib[m]["t_draft"] < calib[m]["t_verify"]["1"]  # n-gram search / replay: cheap
+    assert calib[m]["batch_size"] == 1
   by = {(r["method"], r["category"]): r for r in results}
   # the cost-optimal chain length, read off replay's acceptance histogram
   rep = by[("replay", "all")]
@@ -248,6 +249,10 @@ def test_paper_tables_end_to_end(smollm2_short, tmp_path):
   assert [r["k"] for r in out["gamma"]["rows"]] == [1, 2]
   assert all(r["speedup"] > 0 and r["theorem_3_8"] > 0 for r in out["gamma"]["rows"])
   assert [r["batch_size"] for r in out["batch"]["rows"]] == [1, 2]
+  assert all(r["predicted_speedup"] > 0 for r in out["batch"]["rows"])
+  for b in (1, 2):  # each B's prediction prices forwards of B rows
+    calib = json.load(open(os.path.join(c.out, "batch", f"B{b}", "calibration.json")))
+    assert calib["prompt_lookup"]["batch_size"] == b
   exp = out["expected"]["rows"]
   assert [r["k"] for r in exp] == [1, 2, 3, 4]
   # k' = k: the histogram's own mean tokens per round

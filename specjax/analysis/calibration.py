@@ -57,9 +57,10 @@ def forward_cost_curve(params, cfg: ModelConfig, ns: Sequence[int] = (1, 2, 4, 8
 
 def draft_cost(params, cfg: ModelConfig, drafter, draft_params, prompt, *, steps: int = 8,
                repeats: int = 3, num_slots: Optional[int] = None,
-               sampling=None) -> float:
+               sampling=None, batch_size: int = 1) -> float:
   """Median seconds of one `drafter.propose` (all k guesses) after prefilling
-  `prompt` (token ids), measured in one jitted loop of `steps` proposals.
+  `prompt` (token ids) in each of `batch_size` rows, measured in one jitted
+  loop of `steps` proposals.
 
   The proposals are not committed (each starts from the same state); a data
   dependency through the loop keeps XLA from hoisting or merging them. A
@@ -68,8 +69,8 @@ def draft_cost(params, cfg: ModelConfig, drafter, draft_params, prompt, *, steps
   """
   from specjax.decoding import speculative as sp  # pylint: disable=import-outside-toplevel
   spec = sp.SpecConfig() if sampling is None else sp.SpecConfig(sampling=sampling)
-  state = sp.start(params, cfg, drafter, [list(prompt)], draft_params=draft_params, spec=spec,
-                   cache_slots=num_slots)
+  state = sp.start(params, cfg, drafter, [list(prompt)] * batch_size, draft_params=draft_params,
+                   spec=spec, cache_slots=num_slots)
   loop = _draft_loop(params, cfg, drafter, draft_params, state, steps)
   loop.block_until_ready()  # compile
   times = []

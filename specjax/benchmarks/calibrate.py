@@ -50,11 +50,17 @@ def predict(stats: dict, calib: dict) -> dict:
 
 
 def calibrate(model: Model, drafter_settings, methods: Sequence[str], unit, sampling,
-              max_new_tokens: int) -> dict:
+              max_new_tokens: int, batch_size: int = 1) -> dict:
   """This machine's costs for the prediction column: target forward time for
   1 and k + 1 tokens at the first prompt's length (plus half the new tokens),
   and each drafter's proposal time, measured after the benchmark runs (so its
-  compiles do not disturb them)."""
+  compiles do not disturb them).
+
+  At the run's batch size: B rows of a batch advance in one forward, so a
+  round's cost and an AR step's are those of B-row forwards (B x (k + 1)
+  positions for a verify: free while the weights' read dominates, not once
+  the rows fill the arithmetic). Rounds and tokens are counted per row, so
+  the prediction's ratio is the same with B-row costs."""
   tok = model.tokenizer
   prompt = tok.encode_chat(chat_messages(unit[0].turns[:1], []))
   fill = len(prompt) + max_new_tokens // 2
@@ -68,11 +74,13 @@ def calibrate(model: Model, drafter_settings, methods: Sequence[str], unit, samp
     # (linear between the measured widths); a tree's verify width is its node count + 1
     width = drafter.verify_width
     ns = tuple(sorted({1, 2, (k + 2) // 2 + (k == 1), k + 1, width}))
-    curve = calibration_lib.forward_cost_curve(model.params, model.cfg, ns=ns, fill=fill)
+    curve = calibration_lib.forward_cost_curve(model.params, model.cfg, ns=ns, fill=fill,
+                                               batch_size=batch_size)
     t_draft = calibration_lib.draft_cost(model.params, model.cfg, drafter, dparams, prompt,
-                                         sampling=sampling)
+                                         sampling=sampling, batch_size=batch_size)
     out[m] = {"k": k, "t_verify": {int(n): t for n, t in curve.items()}, "t_draft": t_draft,
-              "fill": fill, "verify_width": width, "tree": bool(drafter.tree)}
+              "fill": fill, "verify_width": width, "tree": bool(drafter.tree),
+              "batch_size": batch_size}
   return out
 
 

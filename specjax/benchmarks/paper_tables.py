@@ -257,12 +257,16 @@ def batch(c: PaperTablesSettings, model=None, progress=None) -> dict:
     for m in _methods(c):
       r = res[m]
       rows.append({"method": m, "batch_size": b, "speedup": r["speedup"], "tau": r["tau"],
-                   "tokens_per_s": r["tokens_per_s"], "ar_tokens_per_s": r["ar_tokens_per_s"]})
+                   "tokens_per_s": r["tokens_per_s"], "ar_tokens_per_s": r["ar_tokens_per_s"],
+                   # from the round counts and forwards of B rows (the run's calibration)
+                   "predicted_speedup": r.get("predicted_speedup")})
   md = ["| method | " + " | ".join(f"B = {b}" for b in sizes) + " |",
         "|---|" + "---|" * len(sizes)]
   for m in _methods(c):
     by = {r["batch_size"]: r for r in rows if r["method"] == m}
     md.append(f"| {m} | " + " | ".join(f"{report.fmt(by[b]['speedup'])}x" for b in sizes) + " |")
+    md.append(f"| {m}, calibrated prediction | " + " | ".join(
+        f"{report.fmt(by[b]['predicted_speedup'])}x" for b in sizes) + " |")
   md.append("| AR tok/s | " + " | ".join(
       report.fmt(next(r for r in rows if r["batch_size"] == b)["ar_tokens_per_s"], "{:.1f}")
       for b in sizes) + " |")
@@ -270,9 +274,13 @@ def batch(c: PaperTablesSettings, model=None, progress=None) -> dict:
   def plot(ax):
     for m in _methods(c):
       mine = [r for r in rows if r["method"] == m]
-      ax.plot([r["batch_size"] for r in mine], [r["speedup"] for r in mine], "o-", label=m)
+      line, = ax.plot([r["batch_size"] for r in mine], [r["speedup"] for r in mine], "o-",
+                      label=m)
+      ax.plot([r["batch_size"] for r in mine],
+              [r["predicted_speedup"] or np.nan for r in mine], "--", color=line.get_color())
     ax.axhline(1, color="k", lw=0.5); ax.set_xscale("log", base=2)
-    ax.set_xlabel("batch size B"); ax.set_ylabel("speedup over AR at the same B"); ax.legend()
+    ax.set_xlabel("batch size B (solid: measured, dashed: calibrated at B)")
+    ax.set_ylabel("speedup over AR at the same B"); ax.legend()
 
   return _write(out, "batch", rows, md, plot)
 

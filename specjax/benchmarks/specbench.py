@@ -585,13 +585,16 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
     # Measured once per run directory (a resumed run reuses it; delete the file
     # to measure again); by process 0 in a multi-process run.
     calib = calibrate_lib.read_calibration(calib_path)
-    missing = [m for m in methods if m not in calib]
+    # an entry of another batch size (or one from before calibrations carried it,
+    # all of one row) is measured again at this run's
+    missing = [m for m in methods if m not in calib
+               or calib[m].get("batch_size", 1) != int(c.batch_size)]
     if missing and primary:
       model = model or (engine.model if engine else load_model(
           c.model, c.dtype, batch_invariant=c.batch_invariant, invariant_tile=c.invariant_tile))
       progress("calibrating: forward cost t_verify(n) and each drafter's proposal cost")
       calib.update(calibrate_lib.calibrate(model, c.drafter, missing, units[0], sampling,
-                                           int(c.max_new_tokens)))
+                                           int(c.max_new_tokens), int(c.batch_size)))
       with open(calib_path, "w") as f:
         json.dump(calib, f, indent=1)
     distributed.barrier("bench/calibrated")
