@@ -34,8 +34,8 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   # The run's fields, one default each: specjax.benchmarks.invariance.InvarianceSettings
   # (model, dtypes, parts (cost, identity, report, bitwise, speedup); cost, bitwise and
-  # speedup: tiles; speedup: speedup_method, speedup_limit, speedup_tokens;
-  # cost: prompt, max_new_tokens, repeats, verify_calls, verify_batches; identity:
+  # speedup: tiles; speedup: speedup_methods, speedup_method_dtypes, speedup_limit,
+  # speedup_tokens; cost: prompt, max_new_tokens, repeats, verify_calls, verify_batches; identity:
   # prompts (Spec-Bench), prompt_limit, batch_size, modes, identity_tile, methods; out),
   # and the drafters' (k: the draft length and the verify block).
   common.settings_fields(c, invariance.InvarianceSettings)

@@ -138,31 +138,41 @@ def test_cost_table_states_verify_times_by_context_length(tmp_path):
 
 @pytest.mark.slow
 def test_speedup_part_runs_every_mode_on_every_question(tmp_path):
-  """SmolLM2, two questions, 8 tokens, both precisions interleaved: a ratio per
-  question for the default forward and the invariant one against the
-  precision's AR and the fastest AR; each drop zero for its reference row."""
+  """SmolLM2, two questions, 8 tokens, two methods in bfloat16 with AR in both
+  precisions, interleaved: a ratio per question for the default forward and
+  the invariant one against the precision's AR and the fastest AR; each drop
+  zero for its reference row."""
+  methods = ("prompt_lookup@k=3", "prompt_lookup@k=2")
   c = _config(tmp_path, parts="speedup", dtypes="float32,bfloat16", tiles="5", speedup_limit=1,
-              speedup_tokens=8, out="")
+              speedup_tokens=8, speedup_methods=",".join(methods),
+              speedup_method_dtypes="bfloat16", out="")
   out = invariance.run(c, progress=lambda s: None)
-  rows = {(r["dtype"], r["invariant_tile"]): r for r in out["speedup"]}
-  assert set(rows) == {("float32", None), ("float32", 5), ("bfloat16", None), ("bfloat16", 5)}
+  rows = {(r["method"], r["dtype"], r["invariant_tile"]): r for r in out["speedup"]}
+  assert set(rows) == {(m, "bfloat16", t) for m in methods for t in (None, 5)}
   for r in rows.values():
     assert r["questions"] == 2 and len(r["speedups"]) == 2 and len(r["vs_fastest_ar"]) == 2
     assert all(0 < x < 100 for x in r["speedups"] + r["vs_fastest_ar"])
     assert r["speedup_median"] == pytest.approx(sorted(r["speedups"])[0] / 2 +
                                                 sorted(r["speedups"])[1] / 2)
-  fastest = rows[("float32", None)]["fastest_ar"]
+    # one question per category here: each category's median is its question's ratio
+    assert sorted(r["categories"].values()) == sorted(r["vs_fastest_ar"])
+  fastest = rows[(methods[0], "bfloat16", None)]["fastest_ar"]
   assert fastest in ("float32", "bfloat16")
   assert all(r["fastest_ar"] == fastest for r in rows.values())
-  # against the fastest AR, its own precision's rows are the own-AR ratios
-  for tile in (None, 5):
-    assert rows[(fastest, tile)]["vs_fastest_ar"] == rows[(fastest, tile)]["speedups"]
-  for d in ("float32", "bfloat16"):
-    assert rows[(d, None)]["drop_vs_default"] == 0.0
-    assert rows[(d, 5)]["drop_vs_default"] == pytest.approx(
-        1 - rows[(d, 5)]["speedup_median"] / rows[(d, None)]["speedup_median"])
-  best = max(rows[(d, None)]["vs_fastest_ar_median"] for d in ("float32", "bfloat16"))
+  for r in rows.values():  # against the fastest AR: the same ratios when it is bfloat16's own
+    assert (r["vs_fastest_ar"] == r["speedups"]) == (fastest == "bfloat16")
+  for m in methods:
+    assert rows[(m, "bfloat16", None)]["drop_vs_default"] == 0.0
+    assert rows[(m, "bfloat16", 5)]["drop_vs_default"] == pytest.approx(
+        1 - rows[(m, "bfloat16", 5)]["speedup_median"]
+        / rows[(m, "bfloat16", None)]["speedup_median"])
+  best = max(rows[(m, "bfloat16", None)]["vs_fastest_ar_median"] for m in methods)
   for r in rows.values():
     assert r["drop_vs_best_default"] == pytest.approx(1 - r["vs_fastest_ar_median"] / best)
   assert min(r["drop_vs_best_default"] for r in rows.values() if not r["batch_invariant"]) == 0.0
-  assert "| float32 | True | 5 | 2 |" in out["markdown"]
+  assert "| prompt_lookup@k=2 | bfloat16 | True | 5 | 2 |" in out["markdown"]
+  # refused before any model loads
+  for bad, match in ((dict(speedup_method_dtypes="float16"), "must be among dtypes"),
+                     (dict(speedup_methods=" , "), "speedup_methods is empty")):
+    with pytest.raises(ConfigValueError, match=match):
+      invariance.run(_config(tmp_path, parts="speedup", out="", **bad), progress=lambda s: None)

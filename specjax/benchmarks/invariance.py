@@ -24,18 +24,20 @@ default mode runs beside it as the control (divergences expected). Each
 result is logged as it finishes (`out`/identity.jsonl) and a restarted run
 goes on from there: the full run is hours on a 2-core CPU.
 
-What it keeps of the speedup (part `speedup`): `speedup_method` (the
-headline's best method) at B = 1 on the first `speedup_limit` Spec-Bench
-questions per category, in every precision of `dtypes` with the default
-forward and with the invariant one at each tile of `tiles`, each question
-also decoded by AR with each precision's default forward (its fastest AR: the
-cost part measures invariant AR slower) -- all interleaved per question, the
+What it keeps of the speedup (part `speedup`): each of `speedup_methods`
+(the headline's best methods) at B = 1 on the first `speedup_limit`
+Spec-Bench questions per category, in every precision of
+`speedup_method_dtypes` (default: `dtypes`) with the default forward and with
+the invariant one at each tile of `tiles`, each question also decoded by AR
+with each precision of `dtypes`' default forward (its fastest AR: the cost
+part measures invariant AR slower) -- all interleaved per question, the
 order rotating, compiles excluded. Per question: speedup = the method's
 decode tokens/s over AR's, against the precision's own AR and against the
 fastest AR of any precision (the one with the highest median tokens/s); per
-mode: the medians [IQR], the drop against the precision's default forward,
-and issue 20's reading, the drop against the best default-forward mode over
-the fastest AR (the goal: <= 10%).
+method and mode: the medians [IQR] (and per category), the drop against the
+same method's default forward, and issue 20's reading, the drop against the
+best default-forward row (any method) over the fastest AR (the goal: <= 10%
+for the best invariant row).
 """
 
 from __future__ import annotations
@@ -94,8 +96,11 @@ class InvarianceSettings(RunSettings):
   batch_size: int = 10
   modes: str = "on,off"  # batch_invariant on (the claim), off (what the default forward does)
   identity_tile: int = 0  # the 'on' mode's rows per tile (0: the precision's default)
-  # speedup: one method (name@field=value...), the first N questions per category
-  speedup_method: str = "prompt_lookup@k=3"
+  # speedup: methods (name@field=value..., comma-separated) in the precisions of
+  # speedup_method_dtypes ('': every one of dtypes; AR runs in every one of dtypes),
+  # the first N questions per category
+  speedup_methods: str = "prompt_lookup@k=3"
+  speedup_method_dtypes: str = ""
   speedup_limit: int = 10
   speedup_tokens: int = 96
   methods: str = ("prompt_lookup,layer_skip,draft_model,medusa,blockwise,eagle,eagle3,lookahead,"
@@ -184,62 +189,83 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
 
 
 def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
-  """`speedup_method`'s speedup over AR with the default forward and with the
-  invariant one at each tile of `tiles`, every precision of `dtypes`
-  interleaved per question (the module docstring): against the precision's
-  own default AR and against the fastest AR of any precision."""
+  """Each of `speedup_methods`' speedup over AR with the default forward and
+  with the invariant one at each tile of `tiles`, in every precision of
+  `speedup_method_dtypes` (default: `dtypes`), AR in every precision of
+  `dtypes`, all interleaved per question (the module docstring): against the
+  method's precision's own default AR and against the fastest AR of any
+  precision."""
   require(c, InvarianceSettings, "invariance.speedup")
   questions = sorted(questions_lib.load_questions(c.prompts, c.speedup_limit),
                      key=lambda q: (q.category, q.question_id))
-  dtypes = [d for d in c.dtypes.split(",") if d]
+  dtypes, methods = _list(c.dtypes), _list(c.speedup_methods)
+  method_dtypes = _list(c.speedup_method_dtypes) or dtypes
+  if not methods:
+    raise ConfigValueError("speedup_methods is empty: name at least one method")
+  if set(method_dtypes) - set(dtypes):
+    raise ConfigValueError(f"speedup_method_dtypes {c.speedup_method_dtypes!r} must be among "
+                           f"dtypes {c.dtypes!r} (a method is measured against its own "
+                           "precision's AR)")
   modes = [None] + _tiles(c)  # None: the default forward; else the invariant one's tile
   engines = {(d, m): specbench.Engine(load_model(c.model, d, batch_invariant=m is not None,
                                                  invariant_tile=m or 0),
                                       sampling_lib.GREEDY, c.speedup_tokens, 0)
-             for d in dtypes for m in modes}
-  built = {key: registry.make_drafter(c.speedup_method, c.drafter, e.model,
-                                      sampling=sampling_lib.GREEDY)
-           for key, e in engines.items()}
-  runs = [("ar", d, None) for d in dtypes] + [("spec", d, m) for d in dtypes for m in modes]
+             for d in dtypes for m in ([None] if d not in method_dtypes else modes)}
+  built = {(d, m, name): registry.make_drafter(name, c.drafter, engines[(d, m)].model,
+                                               sampling=sampling_lib.GREEDY)
+           for d in method_dtypes for m in modes for name in methods}
+  runs = [("ar", d, None, None) for d in dtypes] + [("spec", *key) for key in built]
   speeds = {r: [] for r in runs}  # decode tokens/s per question
   tokenizer = engines[(dtypes[0], None)].model.tokenizer
   for n, q in enumerate(questions):
     prompt = tokenizer.encode_prompt(q.turns[0])
     shift = n % len(runs)  # the order rotates: no mode always runs first
-    for kind, d, m in runs[shift:] + runs[:shift]:
+    for kind, d, m, name in runs[shift:] + runs[:shift]:
       e = engines[(d, m)]
       res = e.run(None, None, [prompt], [q.question_id]) if kind == "ar" else \
-          e.run(*built[(d, m)], [prompt], [q.question_id])
-      speeds[(kind, d, m)].append(specbench._decode_tokens(res) / max(res.decode_s, 1e-9))  # pylint: disable=protected-access
+          e.run(*built[(d, m, name)], [prompt], [q.question_id])
+      speeds[(kind, d, m, name)].append(specbench._decode_tokens(res) / max(res.decode_s, 1e-9))  # pylint: disable=protected-access
     progress(f"{q.category} q{q.question_id} ({n + 1}/{len(questions)}): " + ", ".join(
-        f"{d} {'default' if m is None else f'tile {invariant_lib.tile_rows(d, m)}'} "
-        f"{speeds[('spec', d, m)][-1] / speeds[('ar', d, None)][-1]:.2f}x"
-        for d in dtypes for m in modes))
+        f"{name} {d} {'default' if m is None else f'tile {invariant_lib.tile_rows(d, m)}'} "
+        f"{speeds[('spec', d, m, name)][-1] / speeds[('ar', d, None, None)][-1]:.2f}x"
+        for d, m, name in built))
   # the fastest AR: the precision whose default AR has the highest median tokens/s
-  fastest = max(dtypes, key=lambda d: report.median(speeds[("ar", d, None)]))
+  fastest = max(dtypes, key=lambda d: report.median(speeds[("ar", d, None, None)]))
   rows = []
-  for d in dtypes:
-    own = {m: [a / b for a, b in zip(speeds[("spec", d, m)], speeds[("ar", d, None)])]
-           for m in modes}
-    cross = {m: [a / b for a, b in zip(speeds[("spec", d, m)], speeds[("ar", fastest, None)])]
-             for m in modes}
-    for m in modes:
-      med = report.median(own[m])
-      rows.append({"dtype": d, "batch_invariant": m is not None,
-                   "invariant_tile": None if m is None else invariant_lib.tile_rows(d, m),
-                   "method": c.speedup_method, "questions": len(own[m]),
-                   "speedup_median": med, "speedup_iqr": report.quartiles(own[m]),
-                   "drop_vs_default": 1.0 - med / report.median(own[None]), "speedups": own[m],
-                   "ar_tok_s_median": report.median(speeds[("ar", d, None)]),
-                   "fastest_ar": fastest, "vs_fastest_ar_median": report.median(cross[m]),
-                   "vs_fastest_ar_iqr": report.quartiles(cross[m]),
-                   "vs_fastest_ar": cross[m]})
-  # issue 20's reading: the best invariant mode against the best default one,
-  # both over the fastest AR of any precision
+  for d, m, name in built:
+    own = [a / b for a, b in zip(speeds[("spec", d, m, name)], speeds[("ar", d, None, None)])]
+    default = [a / b for a, b in zip(speeds[("spec", d, None, name)],
+                                     speeds[("ar", d, None, None)])]
+    cross = [a / b for a, b in zip(speeds[("spec", d, m, name)],
+                                   speeds[("ar", fastest, None, None)])]
+    med = report.median(own)
+    rows.append({"dtype": d, "batch_invariant": m is not None,
+                 "invariant_tile": None if m is None else invariant_lib.tile_rows(d, m),
+                 "method": name, "questions": len(own),
+                 "speedup_median": med, "speedup_iqr": report.quartiles(own),
+                 "drop_vs_default": 1.0 - med / report.median(default), "speedups": own,
+                 "ar_tok_s_median": report.median(speeds[("ar", d, None, None)]),
+                 "fastest_ar": fastest, "vs_fastest_ar_median": report.median(cross),
+                 "vs_fastest_ar_iqr": report.quartiles(cross), "vs_fastest_ar": cross,
+                 "categories": _by_category(questions, cross)})
+  # issue 20's reading: each mode against the best default-forward row (any
+  # method, any precision), both over the fastest AR of any precision
   best_default = max(r["vs_fastest_ar_median"] for r in rows if not r["batch_invariant"])
   for r in rows:
     r["drop_vs_best_default"] = 1.0 - r["vs_fastest_ar_median"] / best_default
   return rows
+
+
+def _by_category(questions, ratios) -> Dict[str, float]:
+  """Median ratio per Spec-Bench category."""
+  cats = {}
+  for q, x in zip(questions, ratios):
+    cats.setdefault(q.category, []).append(x)
+  return {cat: report.median(xs) for cat, xs in cats.items()}
+
+
+def _list(text: str) -> List[str]:
+  return [x.strip() for x in str(text).split(",") if x.strip()]
 
 
 def bitwise_check(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
@@ -403,26 +429,29 @@ def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]
   out = []
   if speedup_rows:
     fastest = speedup_rows[0].get("fastest_ar")
-    out += [f"Speedup of {speedup_rows[0]['method']} with the default forward and the "
-            f"invariant one ({c.model}, greedy, B = 1, {c.speedup_tokens} new tokens, the first "
-            f"{c.speedup_limit} Spec-Bench questions per category, every mode of every "
-            "precision interleaved per question; decode tokens/s ratios, median [IQR] over "
-            "questions): against the precision's own AR with the default forward, and against "
-            f"the fastest AR of any precision ({fastest}'s default; the drop there is against "
-            "the best default-forward row):", "",
-            "| dtype | batch_invariant | tile | questions | AR tok/s | speedup (own AR) | "
-            "drop vs default | vs fastest AR | drop vs best default |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    cats = list(speedup_rows[0].get("categories") or {})
+    out += [f"Speedup with the default forward and the invariant one ({c.model}, greedy, "
+            f"B = 1, {c.speedup_tokens} new tokens, the first {c.speedup_limit} Spec-Bench "
+            "questions per category, every mode of every precision interleaved per question; "
+            "decode tokens/s ratios, median [IQR] over questions): against the precision's own "
+            f"AR with the default forward, and against the fastest AR of any precision "
+            f"({fastest}'s default; the drop there is against the best default-forward row, "
+            "any method; per category: medians against the fastest AR):", "",
+            "| method | dtype | batch_invariant | tile | questions | AR tok/s | speedup (own AR) | "
+            "drop vs default | vs fastest AR | drop vs best default | "
+            + "".join(f"{cat} | " for cat in cats),
+            "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(cats)]
     for r in speedup_rows:
       q1, q3 = r["speedup_iqr"]
       f1, f3 = r["vs_fastest_ar_iqr"]
-      out.append(f"| {r['dtype']} | {r['batch_invariant']} | "
+      out.append(f"| {r['method']} | {r['dtype']} | {r['batch_invariant']} | "
                  f"{r['invariant_tile'] or '-'} | {r['questions']} | "
                  f"{r['ar_tok_s_median']:.1f} | "
                  f"{r['speedup_median']:.2f}x [{q1:.2f}-{q3:.2f}] | "
                  f"{100 * r['drop_vs_default']:.1f}% | "
                  f"{r['vs_fastest_ar_median']:.2f}x [{f1:.2f}-{f3:.2f}] | "
-                 f"{100 * r['drop_vs_best_default']:.1f}% |")
+                 f"{100 * r['drop_vs_best_default']:.1f}% | "
+                 + "".join(f"{r['categories'][cat]:.2f}x | " for cat in cats))
     out.append("")
   if bitwise_rows:
     out += [f"Verify blocks vs one-token steps, bit for bit ({c.model}, ragged B = 4 at "
