@@ -104,12 +104,20 @@ def test_speedup_table_states_each_mode_against_the_default():
            "method": "prompt_lookup@k=3", "questions": 4, "speedup_median": med,
            "speedup_iqr": [med - 0.1, med + 0.1], "drop_vs_default": drop, "speedups": [],
            "ar_tok_s_median": 40.0, "fastest_ar": "float32", "vs_fastest_ar_median": med,
-           "vs_fastest_ar_iqr": [med - 0.1, med + 0.1], "drop_vs_best_default": drop}
+           "vs_fastest_ar_iqr": [med - 0.1, med + 0.1], "drop_vs_best_default": drop,
+           "categories": {"math": med + 0.5, "qa": med}}
           for inv, tile, med, drop in ((False, None, 1.2, 0.0), (True, 5, 1.08, 0.1))]
+  rows.append({"dtype": "float32", "batch_invariant": True, "invariant_tile": 8, "method": "ar",
+               "questions": 4, "ar_tok_s_median": 24.0, "fastest_ar": "float32",
+               "vs_fastest_ar_median": 0.6, "vs_fastest_ar_iqr": [0.55, 0.65]})
   md = invariance.markdown(None, None, c, speedup_rows=rows)
-  assert "| float32 | False | - | 4 | 40.0 | 1.20x [1.10-1.30] | 0.0% | 1.20x [1.10-1.30] | 0.0% |" in md
-  assert "| float32 | True | 5 | 4 | 40.0 | 1.08x [0.98-1.18] | 10.0% | 1.08x [0.98-1.18] | 10.0% |" in md
-  assert "float32's default" in md
+  assert ("| prompt_lookup@k=3 | float32 | False | - | 4 | 40.0 | 1.20x [1.10-1.30] | 0.0% | "
+          "1.20x [1.10-1.30] | 0.0% | 1.70x | 1.20x |") in md
+  assert ("| prompt_lookup@k=3 | float32 | True | 5 | 4 | 40.0 | 1.08x [0.98-1.18] | 10.0% | "
+          "1.08x [0.98-1.18] | 10.0% | 1.58x | 1.08x |") in md
+  assert "drop vs best default | math | qa |" in md
+  assert "fastest AR of any mode (float32;" in md
+  assert "| float32 | True | 8 | 24.0 | 0.60x [0.55-0.65] |" in md  # the AR modes
 
 
 def test_cost_table_states_verify_times_by_context_length(tmp_path):
@@ -139,27 +147,35 @@ def test_cost_table_states_verify_times_by_context_length(tmp_path):
 @pytest.mark.slow
 def test_speedup_part_runs_every_mode_on_every_question(tmp_path):
   """SmolLM2, two questions, 8 tokens, two methods in bfloat16 with AR in both
-  precisions, interleaved: a ratio per question for the default forward and
-  the invariant one against the precision's AR and the fastest AR; each drop
-  zero for its reference row."""
+  precisions and in bfloat16's invariant mode, interleaved: a ratio per
+  question for the default forward and the invariant one against the
+  precision's AR and the fastest AR of any mode; each drop zero for its
+  reference row; each AR mode against the fastest."""
   methods = ("prompt_lookup@k=3", "prompt_lookup@k=2")
   c = _config(tmp_path, parts="speedup", dtypes="float32,bfloat16", tiles="5", speedup_limit=1,
               speedup_tokens=8, speedup_methods=",".join(methods),
               speedup_method_dtypes="bfloat16", out="")
   out = invariance.run(c, progress=lambda s: None)
   rows = {(r["method"], r["dtype"], r["invariant_tile"]): r for r in out["speedup"]}
-  assert set(rows) == {(m, "bfloat16", t) for m in methods for t in (None, 5)}
-  for r in rows.values():
+  ar_modes = {("ar", "float32", None), ("ar", "bfloat16", None), ("ar", "bfloat16", 5)}
+  assert set(rows) == {(m, "bfloat16", t) for m in methods for t in (None, 5)} | ar_modes
+  fastest = rows[(methods[0], "bfloat16", None)]["fastest_ar"]
+  assert fastest in ("float32", "bfloat16", "bfloat16 invariant 5")
+  assert all(r["fastest_ar"] == fastest for r in rows.values())
+  # the fastest AR mode is the one with the highest median tokens/s, 1.00x itself
+  ars = {key: rows[key] for key in ar_modes}
+  top = max(ars.values(), key=lambda r: r["ar_tok_s_median"])
+  assert top["vs_fastest_ar"] == [1.0, 1.0]
+  assert {k: r["ar_tok_s_median"] > 0 for k, r in ars.items()} == {k: True for k in ar_modes}
+  for key in (k for k in rows if k[0] != "ar"):
+    r = rows[key]
     assert r["questions"] == 2 and len(r["speedups"]) == 2 and len(r["vs_fastest_ar"]) == 2
     assert all(0 < x < 100 for x in r["speedups"] + r["vs_fastest_ar"])
     assert r["speedup_median"] == pytest.approx(sorted(r["speedups"])[0] / 2 +
                                                 sorted(r["speedups"])[1] / 2)
     # one question per category here: each category's median is its question's ratio
     assert sorted(r["categories"].values()) == sorted(r["vs_fastest_ar"])
-  fastest = rows[(methods[0], "bfloat16", None)]["fastest_ar"]
-  assert fastest in ("float32", "bfloat16")
-  assert all(r["fastest_ar"] == fastest for r in rows.values())
-  for r in rows.values():  # against the fastest AR: the same ratios when it is bfloat16's own
+    # against the fastest AR: the same ratios when it is bfloat16's default AR
     assert (r["vs_fastest_ar"] == r["speedups"]) == (fastest == "bfloat16")
   for m in methods:
     assert rows[(m, "bfloat16", None)]["drop_vs_default"] == 0.0
@@ -167,10 +183,12 @@ def test_speedup_part_runs_every_mode_on_every_question(tmp_path):
         1 - rows[(m, "bfloat16", 5)]["speedup_median"]
         / rows[(m, "bfloat16", None)]["speedup_median"])
   best = max(rows[(m, "bfloat16", None)]["vs_fastest_ar_median"] for m in methods)
-  for r in rows.values():
+  for key in (k for k in rows if k[0] != "ar"):
+    r = rows[key]
     assert r["drop_vs_best_default"] == pytest.approx(1 - r["vs_fastest_ar_median"] / best)
-  assert min(r["drop_vs_best_default"] for r in rows.values() if not r["batch_invariant"]) == 0.0
+  assert min(rows[(m, "bfloat16", None)]["drop_vs_best_default"] for m in methods) == 0.0
   assert "| prompt_lookup@k=2 | bfloat16 | True | 5 | 2 |" in out["markdown"]
+  assert "| bfloat16 | True | 5 | " in out["markdown"]  # the AR modes' table
   # refused before any model loads
   for bad, match in ((dict(speedup_method_dtypes="float16"), "must be among dtypes"),
                      (dict(speedup_methods=" , "), "speedup_methods is empty")):

@@ -29,15 +29,17 @@ What it keeps of the speedup (part `speedup`): each of `speedup_methods`
 Spec-Bench questions per category, in every precision of
 `speedup_method_dtypes` (default: `dtypes`) with the default forward and with
 the invariant one at each tile of `tiles`, each question also decoded by AR
-with each precision of `dtypes`' default forward (its fastest AR: the cost
-part measures invariant AR slower) -- all interleaved per question, the
-order rotating, compiles excluded. Per question: speedup = the method's
-decode tokens/s over AR's, against the precision's own AR and against the
-fastest AR of any precision (the one with the highest median tokens/s); per
-method and mode: the medians [IQR] (and per category), the drop against the
-same method's default forward, and issue 20's reading, the drop against the
-best default-forward row (any method) over the fastest AR (the goal: <= 10%
-for the best invariant row).
+with each precision of `dtypes`' default forward and with each invariant
+tile in the methods' precisions -- all interleaved per question, the order
+rotating, compiles excluded. Per question: speedup = the method's decode
+tokens/s over AR's, against the precision's default AR and against the
+fastest AR of any mode (precision x forward, the highest median tokens/s);
+per method and mode: the medians [IQR] (and per category), the drop against
+the same method's default forward, and issue 20's reading, the drop against
+the best default-forward row (any method) over the fastest AR (the goal:
+<= 10% for the best invariant row); per AR mode: its tokens/s against the
+fastest AR's (the setting becomes a precision's default where its invariant
+AR is within 5%).
 """
 
 from __future__ import annotations
@@ -191,10 +193,12 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
 def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
   """Each of `speedup_methods`' speedup over AR with the default forward and
   with the invariant one at each tile of `tiles`, in every precision of
-  `speedup_method_dtypes` (default: `dtypes`), AR in every precision of
-  `dtypes`, all interleaved per question (the module docstring): against the
-  method's precision's own default AR and against the fastest AR of any
-  precision."""
+  `speedup_method_dtypes` (default: `dtypes`); AR with the default forward in
+  every precision of `dtypes` and with each invariant tile in the methods'
+  precisions; all interleaved per question (the module docstring). Each row:
+  against the method's precision's default AR, and against the fastest AR of
+  any mode (precision x forward). The last row of each AR mode (method 'ar')
+  states its tokens/s against the fastest."""
   require(c, InvarianceSettings, "invariance.speedup")
   questions = sorted(questions_lib.load_questions(c.prompts, c.speedup_limit),
                      key=lambda q: (q.category, q.question_id))
@@ -214,7 +218,7 @@ def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict
   built = {(d, m, name): registry.make_drafter(name, c.drafter, engines[(d, m)].model,
                                                sampling=sampling_lib.GREEDY)
            for d in method_dtypes for m in modes for name in methods}
-  runs = [("ar", d, None, None) for d in dtypes] + [("spec", *key) for key in built]
+  runs = [("ar", d, m, None) for d, m in engines] + [("spec", *key) for key in built]
   speeds = {r: [] for r in runs}  # decode tokens/s per question
   tokenizer = engines[(dtypes[0], None)].model.tokenizer
   for n, q in enumerate(questions):
@@ -226,18 +230,18 @@ def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict
           e.run(*built[(d, m, name)], [prompt], [q.question_id])
       speeds[(kind, d, m, name)].append(specbench._decode_tokens(res) / max(res.decode_s, 1e-9))  # pylint: disable=protected-access
     progress(f"{q.category} q{q.question_id} ({n + 1}/{len(questions)}): " + ", ".join(
-        f"{name} {d} {'default' if m is None else f'tile {invariant_lib.tile_rows(d, m)}'} "
+        f"{name} {_mode_name(d, m)} "
         f"{speeds[('spec', d, m, name)][-1] / speeds[('ar', d, None, None)][-1]:.2f}x"
         for d, m, name in built))
-  # the fastest AR: the precision whose default AR has the highest median tokens/s
-  fastest = max(dtypes, key=lambda d: report.median(speeds[("ar", d, None, None)]))
+  # the fastest AR: the mode (precision x forward) with the highest median tokens/s
+  fastest = max(engines, key=lambda dm: report.median(speeds[("ar", *dm, None)]))
+  base = speeds[("ar", *fastest, None)]
   rows = []
   for d, m, name in built:
     own = [a / b for a, b in zip(speeds[("spec", d, m, name)], speeds[("ar", d, None, None)])]
     default = [a / b for a, b in zip(speeds[("spec", d, None, name)],
                                      speeds[("ar", d, None, None)])]
-    cross = [a / b for a, b in zip(speeds[("spec", d, m, name)],
-                                   speeds[("ar", fastest, None, None)])]
+    cross = [a / b for a, b in zip(speeds[("spec", d, m, name)], base)]
     med = report.median(own)
     rows.append({"dtype": d, "batch_invariant": m is not None,
                  "invariant_tile": None if m is None else invariant_lib.tile_rows(d, m),
@@ -245,15 +249,28 @@ def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict
                  "speedup_median": med, "speedup_iqr": report.quartiles(own),
                  "drop_vs_default": 1.0 - med / report.median(default), "speedups": own,
                  "ar_tok_s_median": report.median(speeds[("ar", d, None, None)]),
-                 "fastest_ar": fastest, "vs_fastest_ar_median": report.median(cross),
+                 "fastest_ar": _mode_name(*fastest), "vs_fastest_ar_median": report.median(cross),
                  "vs_fastest_ar_iqr": report.quartiles(cross), "vs_fastest_ar": cross,
                  "categories": _by_category(questions, cross)})
   # issue 20's reading: each mode against the best default-forward row (any
-  # method, any precision), both over the fastest AR of any precision
+  # method, any precision), both over the fastest AR of any mode
   best_default = max(r["vs_fastest_ar_median"] for r in rows if not r["batch_invariant"])
   for r in rows:
     r["drop_vs_best_default"] = 1.0 - r["vs_fastest_ar_median"] / best_default
+  for d, m in engines:  # each AR mode against the fastest (the setting's default rule)
+    mine = [a / b for a, b in zip(speeds[("ar", d, m, None)], base)]
+    rows.append({"dtype": d, "batch_invariant": m is not None,
+                 "invariant_tile": None if m is None else invariant_lib.tile_rows(d, m),
+                 "method": "ar", "questions": len(mine),
+                 "ar_tok_s_median": report.median(speeds[("ar", d, m, None)]),
+                 "fastest_ar": _mode_name(*fastest), "vs_fastest_ar_median": report.median(mine),
+                 "vs_fastest_ar_iqr": report.quartiles(mine), "vs_fastest_ar": mine})
   return rows
+
+
+def _mode_name(dtype: str, tile: Optional[int]) -> str:
+  """'float32' for the default forward, 'bfloat16 invariant 5' for a tile."""
+  return dtype if tile is None else f"{dtype} invariant {invariant_lib.tile_rows(dtype, tile)}"
 
 
 def _by_category(questions, ratios) -> Dict[str, float]:
@@ -429,19 +446,19 @@ def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]
   out = []
   if speedup_rows:
     fastest = speedup_rows[0].get("fastest_ar")
-    cats = list(speedup_rows[0].get("categories") or {})
+    cats = list(next((r for r in speedup_rows if r["method"] != "ar"), {}).get("categories") or {})
     out += [f"Speedup with the default forward and the invariant one ({c.model}, greedy, "
             f"B = 1, {c.speedup_tokens} new tokens, the first {c.speedup_limit} Spec-Bench "
             "questions per category, every mode of every precision interleaved per question; "
             "decode tokens/s ratios, median [IQR] over questions): against the precision's own "
-            f"AR with the default forward, and against the fastest AR of any precision "
-            f"({fastest}'s default; the drop there is against the best default-forward row, "
+            f"AR with the default forward, and against the fastest AR of any mode "
+            f"({fastest}; the drop there is against the best default-forward row, "
             "any method; per category: medians against the fastest AR):", "",
             "| method | dtype | batch_invariant | tile | questions | AR tok/s | speedup (own AR) | "
             "drop vs default | vs fastest AR | drop vs best default | "
             + "".join(f"{cat} | " for cat in cats),
             "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(cats)]
-    for r in speedup_rows:
+    for r in (r for r in speedup_rows if r["method"] != "ar"):
       q1, q3 = r["speedup_iqr"]
       f1, f3 = r["vs_fastest_ar_iqr"]
       out.append(f"| {r['method']} | {r['dtype']} | {r['batch_invariant']} | "
@@ -452,6 +469,14 @@ def markdown(cost_rows: Optional[List[dict]], identity_rows: Optional[List[dict]
                  f"{r['vs_fastest_ar_median']:.2f}x [{f1:.2f}-{f3:.2f}] | "
                  f"{100 * r['drop_vs_best_default']:.1f}% | "
                  + "".join(f"{r['categories'][cat]:.2f}x | " for cat in cats))
+    out += ["", "AR in each mode (the same questions, interleaved): median tokens/s and the "
+            "median per-question ratio to the fastest AR's:", "",
+            "| dtype | batch_invariant | tile | AR tok/s | vs fastest AR |", "|---|---|---|---|---|"]
+    for r in (r for r in speedup_rows if r["method"] == "ar"):
+      f1, f3 = r["vs_fastest_ar_iqr"]
+      out.append(f"| {r['dtype']} | {r['batch_invariant']} | {r['invariant_tile'] or '-'} | "
+                 f"{r['ar_tok_s_median']:.1f} | "
+                 f"{r['vs_fastest_ar_median']:.2f}x [{f1:.2f}-{f3:.2f}] |")
     out.append("")
   if bitwise_rows:
     out += [f"Verify blocks vs one-token steps, bit for bit ({c.model}, ragged B = 4 at "
