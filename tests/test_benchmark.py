@@ -253,6 +253,12 @@ def test_paper_tables_end_to_end(smollm2_short, tmp_path):
   for b in (1, 2):  # each B's prediction prices forwards of B rows
     calib = json.load(open(os.path.join(c.out, "batch", f"B{b}", "calibration.json")))
     assert calib["prompt_lookup"]["batch_size"] == b
+    # with the batches' own counts: a batch runs until its slowest row is done
+    for r in specbench.read_log(os.path.join(c.out, "batch", f"B{b}", specbench.LOG)):
+      if r["method"] != "ar":
+        st = r["stats"]
+        assert st["rounds"] / b <= st["batch_rounds"] <= st["rounds"], st
+        assert r["ar_decode_tokens"] / b <= r["ar_batch_steps"] <= r["ar_decode_tokens"], r
   exp = out["expected"]["rows"]
   assert [r["k"] for r in exp] == [1, 2, 3, 4]
   # k' = k: the histogram's own mean tokens per round
@@ -359,6 +365,38 @@ def test_fastest_ar_is_the_precision_with_more_tokens_per_second():
   assert specbench._fastest_ar([rec("m", 2.0, 1.0)], {"precision": "bfloat16",  # pylint: disable=protected-access
                                                       "reference_dtype": None}) is None
   assert specbench._fastest_ar([rec("m", 0.0, 1.0)], meta) is None  # pylint: disable=protected-access
+
+
+def test_which_ar_runs_first_alternates_and_calibrations_are_of_the_runs_batch_size():
+  """The reference AR runs first in every other unit (whatever the question
+  ids, so at any batch size), turn and repeat; a calibration entry of another
+  batch size, or one without it (of one row), is measured again."""
+  first = specbench.reference_runs_first
+  assert [first(i, 0, 0) for i in range(4)] == [False, True, False, True]
+  assert [first(0, 0, r) for r in range(3)] == [False, True, False]
+  assert first(0, 1, 0) and not first(1, 1, 0)
+  calib = {"a": {"batch_size": 2}, "b": {"batch_size": 1}, "c": {}}
+  assert specbench.uncalibrated(calib, ["a", "b", "c", "d"], 2) == ["b", "c", "d"]
+  assert specbench.uncalibrated(calib, ["a", "b", "c", "d"], 1) == ["a", "d"]
+
+
+def test_prediction_at_batch_size_prices_the_slowest_row():
+  """At B > 1 the calibrated prediction prices the batches' own rounds and AR
+  steps (a batch pays for its slowest row) with B-row costs; at B = 1, or
+  without those counts, the per-row formula."""
+  from specjax.benchmarks import calibrate  # pylint: disable=import-outside-toplevel
+  stats = {"rounds": 10, "emitted": 30, "proposed": 30, "accepted": 20, "narrow_rounds": 0,
+           "verified_tokens": 40}
+  calib = {"k": 3, "t_verify": {1: 1.0, 2: 1.1, 4: 1.5}, "t_draft": 0.5, "verify_width": 4}
+  per_row = 30 * 1.0 / (10 * 0.5 + 10 * 1.5)
+  assert calibrate.predict(stats, calib)["predicted_speedup"] == pytest.approx(per_row)
+  batch = dict(stats, batch_rounds=8, ar_batch_steps=20)
+  assert calibrate.predict(batch, calib)["predicted_speedup"] == pytest.approx(per_row)  # B = 1
+  b2 = dict(calib, batch_size=2)
+  pred = calibrate.predict(batch, b2)
+  assert pred["predicted_speedup"] == pytest.approx(20 * 1.0 / (8 * (0.5 + 1.5)))
+  assert pred["draft_frac"] == pytest.approx(0.25)
+  assert calibrate.predict(stats, b2)["predicted_speedup"] == pytest.approx(per_row)  # old logs
 
 
 def test_paper_tables_take_their_settings_dataclass():

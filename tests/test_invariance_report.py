@@ -152,7 +152,8 @@ def test_speedup_part_runs_every_mode_on_every_question(tmp_path):
   precision's AR and the fastest AR of any mode; each drop zero for its
   reference row; each AR mode against the fastest."""
   methods = ("prompt_lookup@k=3", "prompt_lookup@k=2")
-  c = _config(tmp_path, parts="speedup", dtypes="float32,bfloat16", tiles="5", speedup_limit=1,
+  # tiles 0 and 5 are both bfloat16's 5 rows: one mode
+  c = _config(tmp_path, parts="speedup", dtypes="float32,bfloat16", tiles="0,5", speedup_limit=1,
               speedup_tokens=8, speedup_methods=",".join(methods),
               speedup_method_dtypes="bfloat16", out="")
   out = invariance.run(c, progress=lambda s: None)
@@ -166,6 +167,8 @@ def test_speedup_part_runs_every_mode_on_every_question(tmp_path):
   ars = {key: rows[key] for key in ar_modes}
   top = max(ars.values(), key=lambda r: r["ar_tok_s_median"])
   assert top["vs_fastest_ar"] == [1.0, 1.0]
+  assert fastest == top["dtype"] + (f" invariant {top['invariant_tile']}"
+                                    if top["batch_invariant"] else "")
   assert {k: r["ar_tok_s_median"] > 0 for k, r in ars.items()} == {k: True for k in ar_modes}
   for key in (k for k in rows if k[0] != "ar"):
     r = rows[key]
@@ -189,7 +192,9 @@ def test_speedup_part_runs_every_mode_on_every_question(tmp_path):
   assert min(rows[(m, "bfloat16", None)]["drop_vs_best_default"] for m in methods) == 0.0
   assert "| prompt_lookup@k=2 | bfloat16 | True | 5 | 2 |" in out["markdown"]
   assert "| bfloat16 | True | 5 | " in out["markdown"]  # the AR modes' table
-  # refused before any model loads
+
+
+def test_speedup_part_refuses_bad_method_settings_before_loading(tmp_path):
   for bad, match in ((dict(speedup_method_dtypes="float16"), "must be among dtypes"),
                      (dict(speedup_methods=" , "), "speedup_methods is empty")):
     with pytest.raises(ConfigValueError, match=match):

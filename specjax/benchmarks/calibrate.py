@@ -30,6 +30,17 @@ def predict(stats: dict, calib: dict) -> dict:
 
   and Leviathan et al.'s Theorem 3.8 value, which prices a verify like one AR
   step: (1 - a^(k+1)) / ((1 - a)(k c + 1)), c = t_draft / (k t_verify(1)).
+
+  Calibrated at batch size B > 1 (`calib["batch_size"]`, costs of B-row
+  forwards) with the batches' own counts (`batch_rounds`: each batch's rounds
+  until its last row is done; `ar_batch_steps`: AR's steps until its longest
+  row is done), a batch pays for its slowest row, speculative and AR alike:
+
+    predicted speedup = ar_batch_steps * t_verify(1) / (batch_rounds * (t_draft + t_verify(k + 1)))
+
+  (every batch round priced at the full verify width). Without those counts
+  (logs from before they were kept) the per-row formula above stands, which
+  assumes balanced rows and overstates a batch whose rows finish unevenly.
   """
   rounds, emitted = stats["rounds"], stats["emitted"]
   narrow = stats.get("narrow_rounds", 0)
@@ -42,11 +53,15 @@ def predict(stats: dict, calib: dict) -> dict:
   if verified and rounds > narrow:
     tk = theory.interpolate_cost(calib["t_verify"])((verified - narrow) / (rounds - narrow))
   cost = rounds * td + narrow * t1 + (rounds - narrow) * tk
+  predicted = emitted * t1 / cost
+  if calib.get("batch_size", 1) > 1 and stats.get("batch_rounds") and stats.get("ar_batch_steps"):
+    cost = stats["batch_rounds"] * (td + calib["t_verify"][width])
+    predicted = stats["ar_batch_steps"] * t1 / cost
+    rounds = stats["batch_rounds"]
   alpha = report.ratio(stats["accepted"], stats["proposed"])
   c = td / (k * t1)
   lev = (float(theory.leviathan_speedup(alpha, k, c)) if math.isfinite(alpha) else None)
-  return {"predicted_speedup": emitted * t1 / cost, "theorem_3_8": lev,
-          "draft_frac": rounds * td / cost}
+  return {"predicted_speedup": predicted, "theorem_3_8": lev, "draft_frac": rounds * td / cost}
 
 
 def calibrate(model: Model, drafter_settings, methods: Sequence[str], unit, sampling,
@@ -59,8 +74,8 @@ def calibrate(model: Model, drafter_settings, methods: Sequence[str], unit, samp
   At the run's batch size: B rows of a batch advance in one forward, so a
   round's cost and an AR step's are those of B-row forwards (B x (k + 1)
   positions for a verify: free while the weights' read dominates, not once
-  the rows fill the arithmetic). Rounds and tokens are counted per row, so
-  the prediction's ratio is the same with B-row costs."""
+  the rows fill the arithmetic); `predict` prices the batches' rounds and AR
+  steps with them."""
   tok = model.tokenizer
   prompt = tok.encode_chat(chat_messages(unit[0].turns[:1], []))
   fill = len(prompt) + max_new_tokens // 2

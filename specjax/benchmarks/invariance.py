@@ -34,7 +34,8 @@ tile in the methods' precisions -- all interleaved per question, the order
 rotating, compiles excluded. Per question: speedup = the method's decode
 tokens/s over AR's, against the precision's default AR and against the
 fastest AR of any mode (precision x forward, the highest median tokens/s);
-per method and mode: the medians [IQR] (and per category), the drop against
+per method and mode: the medians [IQR] (and per category against the
+fastest AR), the drop against
 the same method's default forward, and issue 20's reading, the drop against
 the best default-forward row (any method) over the fastest AR (the goal:
 <= 10% for the best invariant row); per AR mode: its tokens/s against the
@@ -89,7 +90,7 @@ class InvarianceSettings(RunSettings):
   verify_calls: int = 20
   verify_batches: str = "1,4"  # t_verify(k + 1) at these batch sizes
   verify_contexts: str = "512,1280"  # and B = 1 t_verify(1), t_verify(k + 1) after L tokens
-  # cost and bitwise: the invariant forward at these rows per tile
+  # cost, bitwise and speedup: the invariant forward at these rows per tile
   # (ModelConfig.invariant_tile; 0: the precision's default), beside the default forward
   tiles: str = "0"
   # identity: every drafter, chains and trees, on the headline prompt set
@@ -145,7 +146,7 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
   require(c, InvarianceSettings, "invariance.cost")
   rows = []
   modes = [None] + _tiles(c)  # None: the default forward; else the invariant one's tile
-  for dtype in [d for d in c.dtypes.split(",") if d]:
+  for dtype in _list(c.dtypes):
     models = {m: load_model(c.model, dtype, batch_invariant=m is not None,
                             invariant_tile=m or 0) for m in modes}
     prompt = models[None].tokenizer.encode_prompt(c.prompt)
@@ -192,13 +193,14 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
 
 def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
   """Each of `speedup_methods`' speedup over AR with the default forward and
-  with the invariant one at each tile of `tiles`, in every precision of
-  `speedup_method_dtypes` (default: `dtypes`); AR with the default forward in
-  every precision of `dtypes` and with each invariant tile in the methods'
-  precisions; all interleaved per question (the module docstring). Each row:
+  with the invariant one at each tile of `tiles` (0: the precision's default;
+  a tile named twice runs once), in every precision of `speedup_method_dtypes`
+  (default: `dtypes`); AR with the default forward in every precision of
+  `dtypes` and with each invariant tile in the methods' precisions; all
+  interleaved per question (the module docstring). A row per method and mode:
   against the method's precision's default AR, and against the fastest AR of
-  any mode (precision x forward). The last row of each AR mode (method 'ar')
-  states its tokens/s against the fastest."""
+  any mode (precision x forward). After them a row per AR mode (method 'ar':
+  dtype, tile, `ar_tok_s_median` and the `vs_fastest_ar` fields only)."""
   require(c, InvarianceSettings, "invariance.speedup")
   questions = sorted(questions_lib.load_questions(c.prompts, c.speedup_limit),
                      key=lambda q: (q.category, q.question_id))
@@ -210,14 +212,16 @@ def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict
     raise ConfigValueError(f"speedup_method_dtypes {c.speedup_method_dtypes!r} must be among "
                            f"dtypes {c.dtypes!r} (a method is measured against its own "
                            "precision's AR)")
-  modes = [None] + _tiles(c)  # None: the default forward; else the invariant one's tile
+  # per precision: None (the default forward), then each invariant tile's rows once
+  modes = {d: [None] + list(dict.fromkeys(invariant_lib.tile_rows(d, t) for t in _tiles(c)))
+           if d in method_dtypes else [None] for d in dtypes}
   engines = {(d, m): specbench.Engine(load_model(c.model, d, batch_invariant=m is not None,
                                                  invariant_tile=m or 0),
                                       sampling_lib.GREEDY, c.speedup_tokens, 0)
-             for d in dtypes for m in ([None] if d not in method_dtypes else modes)}
+             for d in dtypes for m in modes[d]}
   built = {(d, m, name): registry.make_drafter(name, c.drafter, engines[(d, m)].model,
                                                sampling=sampling_lib.GREEDY)
-           for d in method_dtypes for m in modes for name in methods}
+           for d in method_dtypes for m in modes[d] for name in methods}
   runs = [("ar", d, m, None) for d, m in engines] + [("spec", *key) for key in built]
   speeds = {r: [] for r in runs}  # decode tokens/s per question
   tokenizer = engines[(dtypes[0], None)].model.tokenizer
@@ -237,20 +241,22 @@ def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict
   fastest = max(engines, key=lambda dm: report.median(speeds[("ar", *dm, None)]))
   base = speeds[("ar", *fastest, None)]
   rows = []
+
+  def mode_row(d, m, name, ar_key, cross):
+    return {"dtype": d, "batch_invariant": m is not None, "invariant_tile": m, "method": name,
+            "questions": len(cross), "ar_tok_s_median": report.median(speeds[ar_key]),
+            "fastest_ar": _mode_name(*fastest), "vs_fastest_ar_median": report.median(cross),
+            "vs_fastest_ar_iqr": report.quartiles(cross), "vs_fastest_ar": cross}
+
   for d, m, name in built:
-    own = [a / b for a, b in zip(speeds[("spec", d, m, name)], speeds[("ar", d, None, None)])]
-    default = [a / b for a, b in zip(speeds[("spec", d, None, name)],
-                                     speeds[("ar", d, None, None)])]
-    cross = [a / b for a, b in zip(speeds[("spec", d, m, name)], base)]
+    ar = speeds[("ar", d, None, None)]
+    own = _ratios(speeds[("spec", d, m, name)], ar)
     med = report.median(own)
-    rows.append({"dtype": d, "batch_invariant": m is not None,
-                 "invariant_tile": None if m is None else invariant_lib.tile_rows(d, m),
-                 "method": name, "questions": len(own),
-                 "speedup_median": med, "speedup_iqr": report.quartiles(own),
-                 "drop_vs_default": 1.0 - med / report.median(default), "speedups": own,
-                 "ar_tok_s_median": report.median(speeds[("ar", d, None, None)]),
-                 "fastest_ar": _mode_name(*fastest), "vs_fastest_ar_median": report.median(cross),
-                 "vs_fastest_ar_iqr": report.quartiles(cross), "vs_fastest_ar": cross,
+    default = report.median(_ratios(speeds[("spec", d, None, name)], ar))
+    cross = _ratios(speeds[("spec", d, m, name)], base)
+    rows.append({**mode_row(d, m, name, ("ar", d, None, None), cross),
+                 "speedup_median": med, "speedup_iqr": report.quartiles(own), "speedups": own,
+                 "drop_vs_default": 1.0 - med / default,
                  "categories": _by_category(questions, cross)})
   # issue 20's reading: each mode against the best default-forward row (any
   # method, any precision), both over the fastest AR of any mode
@@ -258,19 +264,17 @@ def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict
   for r in rows:
     r["drop_vs_best_default"] = 1.0 - r["vs_fastest_ar_median"] / best_default
   for d, m in engines:  # each AR mode against the fastest (the setting's default rule)
-    mine = [a / b for a, b in zip(speeds[("ar", d, m, None)], base)]
-    rows.append({"dtype": d, "batch_invariant": m is not None,
-                 "invariant_tile": None if m is None else invariant_lib.tile_rows(d, m),
-                 "method": "ar", "questions": len(mine),
-                 "ar_tok_s_median": report.median(speeds[("ar", d, m, None)]),
-                 "fastest_ar": _mode_name(*fastest), "vs_fastest_ar_median": report.median(mine),
-                 "vs_fastest_ar_iqr": report.quartiles(mine), "vs_fastest_ar": mine})
+    rows.append(mode_row(d, m, "ar", ("ar", d, m, None), _ratios(speeds[("ar", d, m, None)], base)))
   return rows
 
 
+def _ratios(xs, ys) -> List[float]:
+  return [x / y for x, y in zip(xs, ys)]
+
+
 def _mode_name(dtype: str, tile: Optional[int]) -> str:
-  """'float32' for the default forward, 'bfloat16 invariant 5' for a tile."""
-  return dtype if tile is None else f"{dtype} invariant {invariant_lib.tile_rows(dtype, tile)}"
+  """'float32' for the default forward, 'bfloat16 invariant 5' for a tile of 5 rows."""
+  return dtype if tile is None else f"{dtype} invariant {tile}"
 
 
 def _by_category(questions, ratios) -> Dict[str, float]:
@@ -291,7 +295,7 @@ def bitwise_check(c: InvarianceSettings, progress: Callable[[str], None]) -> Lis
   verify logits differ from one-token steps on `model`, a ragged B = 4."""
   require(c, InvarianceSettings, "invariance.bitwise_check")
   rows = []
-  for dtype in [d for d in c.dtypes.split(",") if d]:
+  for dtype in _list(c.dtypes):
     model = load_model(c.model, dtype)
     for tile in [None] + _tiles(c):  # None: the default forward
       cfg = model.cfg.replace(batch_invariant=tile is not None, invariant_tile=tile or 0)
@@ -343,7 +347,7 @@ def identity(c: InvarianceSettings, progress: Callable[[str], None],
     by_cat.setdefault(q.category, []).append(q)
   units = [qs[i:i + c.batch_size] for _, qs in sorted(by_cat.items())
            for i in range(0, len(qs), c.batch_size)]
-  methods = [m for m in c.methods.split(",") if m]
+  methods = _list(c.methods)
   settings = _log_settings(c)
   log = os.path.join(c.out, "identity.jsonl") if c.out else None
   if log:
@@ -358,7 +362,7 @@ def identity(c: InvarianceSettings, progress: Callable[[str], None],
   if done:
     progress(f"{len(done)} results from {log}")
   rows = []
-  for dtype in [d for d in c.dtypes.split(",") if d]:
+  for dtype in _list(c.dtypes):
     for inv in _modes(c):
       model = None
       for n, unit in enumerate(units if run else ()):
@@ -404,7 +408,7 @@ def identity(c: InvarianceSettings, progress: Callable[[str], None],
 
 def _modes(c: InvarianceSettings) -> List[bool]:
   """The identity part's modes: 'on' (batch_invariant), 'off' (the default forward)."""
-  names = [m for m in c.modes.split(",") if m]
+  names = _list(c.modes)
   unknown = set(names) - {"on", "off"}
   if unknown or not names:
     raise ValueError(f"modes must be a comma-separated subset of 'on,off', got {c.modes!r}")

@@ -11,7 +11,8 @@ process) summarised into markdown + JSON + PNG under `out/<table>/`.
              and the calibrated prediction (measured verify costs); the
              optimal k of each
   batch      speedup of each method vs batch size B (B consecutive prompts
-             of a category decoded together): where speculation stops paying
+             of a category decoded together): where speculation stops paying;
+             beside it the prediction calibrated with B-row forwards
   expected   the expected-tokens curve (1 - alpha^(k+1)) / (1 - alpha)
              against measured tokens per round, for every k' <= k read off
              the acceptance histogram of a k-run
@@ -259,14 +260,15 @@ def batch(c: PaperTablesSettings, model=None, progress=None) -> dict:
       rows.append({"method": m, "batch_size": b, "speedup": r["speedup"], "tau": r["tau"],
                    "tokens_per_s": r["tokens_per_s"], "ar_tokens_per_s": r["ar_tokens_per_s"],
                    # from the round counts and forwards of B rows (the run's calibration)
-                   "predicted_speedup": r.get("predicted_speedup")})
+                   "predicted_speedup": r["predicted_speedup"]})
   md = ["| method | " + " | ".join(f"B = {b}" for b in sizes) + " |",
         "|---|" + "---|" * len(sizes)]
   for m in _methods(c):
     by = {r["batch_size"]: r for r in rows if r["method"] == m}
     md.append(f"| {m} | " + " | ".join(f"{report.fmt(by[b]['speedup'])}x" for b in sizes) + " |")
-    md.append(f"| {m}, calibrated prediction | " + " | ".join(
-        f"{report.fmt(by[b]['predicted_speedup'])}x" for b in sizes) + " |")
+    if any(by[b]["predicted_speedup"] is not None for b in sizes):  # calibrate=False: none
+      md.append(f"| {m}, calibrated prediction | " + " | ".join(
+          report.fmt(by[b]["predicted_speedup"], suffix="x") for b in sizes) + " |")
   md.append("| AR tok/s | " + " | ".join(
       report.fmt(next(r for r in rows if r["batch_size"] == b)["ar_tokens_per_s"], "{:.1f}")
       for b in sizes) + " |")

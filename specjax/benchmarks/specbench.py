@@ -22,8 +22,8 @@ Protocol:
 * `replay`'s reference is the AR output of the same prompt.
 * With `reference_dtype` (e.g. float32 beside a bfloat16 run), AR also runs in
   that precision (its own model, the default forward), interleaved beside
-  the run's own AR in every repeat (before it for every other question and
-  repeat, after it for the rest, so neither AR gains from its place in the
+  the run's own AR in every repeat (before it in every other unit, turn and
+  repeat, after it in the rest, so neither AR gains from its place in the
   order): a method is then also measured
   against the fastest AR of the two precisions (the one with the higher
   tokens/s over the whole run), since the precision that verifies blocks
@@ -183,6 +183,11 @@ def _decode_tokens(result) -> int:
   return sum(max(len(t) - 1, 0) for t in result.tokens)
 
 
+def _batch_steps(result) -> int:
+  """AR decode steps of a batch: its longest row's decode tokens."""
+  return max((max(len(t) - 1, 0) for t in result.tokens), default=0)
+
+
 def _new_record(unit, method, repeats, settings_id, reference=False):
   rec = {"unit": unit_id(unit), "question_ids": [q.question_id for q in unit],
          "category": unit[0].category, "method": method, "settings": settings_id,
@@ -201,9 +206,9 @@ def _new_record(unit, method, repeats, settings_id, reference=False):
 
 def _run_unit(engine: Engine, c: BenchmarkSettings, unit, methods: Sequence[str],
               ar_done: Optional[dict], settings_id: str, repeats: int, note: Callable[[str, int, int], None],
-              ref_engine: Optional[Engine] = None):
+              ref_engine: Optional[Engine] = None, unit_index: int = 0):
   """AR (and the reference precision's AR) + `methods` interleaved on one unit
-  -> records (AR's only if not done)."""
+  (the `unit_index`-th of the run) -> records (AR's only if not done)."""
   model = engine.model
   tok, eos = model.tokenizer, model.cfg.eos_id
   recs = {m: _new_record(unit, m, repeats, settings_id, ref_engine is not None)
@@ -219,9 +224,7 @@ def _run_unit(engine: Engine, c: BenchmarkSettings, unit, methods: Sequence[str]
     for rec in recs.values():
       rec["prompt_tokens"].append([len(p) for p in prompts])
     for r in range(repeats):
-      # the two precisions' ARs run back to back, which first alternating with the
-      # question and the repeat, so neither gains from its place in the order
-      reference_first = ref_engine is not None and (unit[0].question_id + t + r) % 2 == 1
+      reference_first = ref_engine is not None and reference_runs_first(unit_index, t, r)
       if reference_first:
         _run_reference_ar(ref_engine, recs, methods, prompts, ids, t, r, note)
       note("ar", t, r)
@@ -232,6 +235,8 @@ def _run_unit(engine: Engine, c: BenchmarkSettings, unit, methods: Sequence[str]
         recs[m]["ar_decode_s"][r] += res.decode_s
         if r == 0:
           recs[m]["ar_decode_tokens"] += _decode_tokens(res)
+          # the batch's AR steps: its rows advance together until the longest is done
+          recs[m]["ar_batch_steps"] = recs[m].get("ar_batch_steps", 0) + _batch_steps(res)
       if ref_engine is not None and not reference_first:
         _run_reference_ar(ref_engine, recs, methods, prompts, ids, t, r, note)
       shift = r % max(len(methods), 1)  # rotate the order across repeats
@@ -253,6 +258,19 @@ def _run_unit(engine: Engine, c: BenchmarkSettings, unit, methods: Sequence[str]
     if not engine.sampling.greedy:
       recs[m]["identical"] = None
   return [recs[m] for m in methods] + ([] if ar_done else [recs["ar"]])
+
+
+def reference_runs_first(unit_index: int, turn: int, repeat: int) -> bool:
+  """The two precisions' ARs run back to back; which one first alternates with
+  the unit's place in the run, the turn and the repeat, so neither gains from
+  its place in the order (whatever the batch size and the question ids)."""
+  return (unit_index + turn + repeat) % 2 == 1
+
+
+def uncalibrated(calib: dict, methods: Sequence[str], batch_size: int) -> List[str]:
+  """The methods a run must calibrate: those without an entry, or with one of
+  another batch size (an entry from before calibrations carried it is of one row)."""
+  return [m for m in methods if m not in calib or calib[m].get("batch_size", 1) != batch_size]
 
 
 def _run_reference_ar(ref_engine, recs, methods, prompts, ids, t, r, note):
@@ -293,6 +311,9 @@ def _add(rec, r, res, ref, eos=None):
   if "stats" in rec:
     for key in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds", "verified_tokens"):
       rec["stats"][key] = rec["stats"].get(key, 0) + res.stats[key]
+    # the batch's rounds: its rows verify together until the one with the most is done
+    rec["stats"]["batch_rounds"] = (rec["stats"].get("batch_rounds", 0)
+                                    + res.stats["max_rounds_per_row"])
     hist = rec["stats"].get("accept_hist")
     new = res.stats["accept_hist"]
     rec["stats"]["accept_hist"] = new if hist is None else [a + b for a, b in zip(hist, new)]
@@ -343,6 +364,9 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
       st = {k: sum(r["stats"].get(k, 0) for r in rs)
             for k in ("rounds", "emitted", "proposed", "accepted", "narrow_rounds",
                       "verified_tokens")}
+      if all("batch_rounds" in r["stats"] and "ar_batch_steps" in r for r in rs):
+        st.update(batch_rounds=sum(r["stats"]["batch_rounds"] for r in rs),
+                  ar_batch_steps=sum(r["ar_batch_steps"] for r in rs))
       pred = (calibrate_lib.predict(st, calibration[m]) if calibration and m in calibration
               else {"predicted_speedup": None, "theorem_3_8": None, "draft_frac": None})
       hists = [r["stats"]["accept_hist"] for r in rs if r["stats"].get("accept_hist")]
@@ -524,6 +548,7 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
 
   engine = ref_engine = None
   todo = [u for u in units if any((unit_id(u), m) not in done for m in ["ar", *methods])]
+  index = {unit_id(u): i for i, u in enumerate(units)}  # a unit's place, the same when resumed
   total_q = sum(len(u) for u in units)
   q_done = total_q - sum(len(u) for u in todo)
   if distributed.multi_process():
@@ -551,7 +576,7 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
                f"{report.clock(time.perf_counter() - t_start)}, ETA {eta}")
 
     recs = _run_unit(engine, c, unit, missing, done.get((unit_id(unit), "ar")), settings_id,
-                     repeats, note, ref_engine)
+                     repeats, note, ref_engine, unit_index=index[unit_id(unit)])
     jsonl.append(log_path, recs)
     for rec in recs:
       done[(rec["unit"], rec["method"])] = rec
@@ -585,10 +610,7 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
     # Measured once per run directory (a resumed run reuses it; delete the file
     # to measure again); by process 0 in a multi-process run.
     calib = calibrate_lib.read_calibration(calib_path)
-    # an entry of another batch size (or one from before calibrations carried it,
-    # all of one row) is measured again at this run's
-    missing = [m for m in methods if m not in calib
-               or calib[m].get("batch_size", 1) != int(c.batch_size)]
+    missing = uncalibrated(calib, methods, int(c.batch_size))
     if missing and primary:
       model = model or (engine.model if engine else load_model(
           c.model, c.dtype, batch_invariant=c.batch_invariant, invariant_tile=c.invariant_tile))
