@@ -146,7 +146,7 @@ def cost(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
   require(c, InvarianceSettings, "invariance.cost")
   rows = []
   modes = [None] + _tiles(c)  # None: the default forward; else the invariant one's tile
-  for dtype in _list(c.dtypes):
+  for dtype in report.comma_list(c.dtypes):
     models = {m: load_model(c.model, dtype, batch_invariant=m is not None,
                             invariant_tile=m or 0) for m in modes}
     prompt = models[None].tokenizer.encode_prompt(c.prompt)
@@ -204,8 +204,8 @@ def speedup(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict
   require(c, InvarianceSettings, "invariance.speedup")
   questions = sorted(questions_lib.load_questions(c.prompts, c.speedup_limit),
                      key=lambda q: (q.category, q.question_id))
-  dtypes, methods = _list(c.dtypes), _list(c.speedup_methods)
-  method_dtypes = _list(c.speedup_method_dtypes) or dtypes
+  dtypes, methods = report.comma_list(c.dtypes), report.comma_list(c.speedup_methods)
+  method_dtypes = report.comma_list(c.speedup_method_dtypes) or dtypes
   if not methods:
     raise ConfigValueError("speedup_methods is empty: name at least one method")
   if set(method_dtypes) - set(dtypes):
@@ -285,17 +285,13 @@ def _by_category(questions, ratios) -> Dict[str, float]:
   return {cat: report.median(xs) for cat, xs in cats.items()}
 
 
-def _list(text: str) -> List[str]:
-  return [x.strip() for x in str(text).split(",") if x.strip()]
-
-
 def bitwise_check(c: InvarianceSettings, progress: Callable[[str], None]) -> List[dict]:
   """Per precision and tile of `tiles` (and the default forward, which should
   mismatch): the chain widths (`bitwise.FEW_WIDTHS`) and tree nodes whose
   verify logits differ from one-token steps on `model`, a ragged B = 4."""
   require(c, InvarianceSettings, "invariance.bitwise_check")
   rows = []
-  for dtype in _list(c.dtypes):
+  for dtype in report.comma_list(c.dtypes):
     model = load_model(c.model, dtype)
     for tile in [None] + _tiles(c):  # None: the default forward
       cfg = model.cfg.replace(batch_invariant=tile is not None, invariant_tile=tile or 0)
@@ -347,7 +343,7 @@ def identity(c: InvarianceSettings, progress: Callable[[str], None],
     by_cat.setdefault(q.category, []).append(q)
   units = [qs[i:i + c.batch_size] for _, qs in sorted(by_cat.items())
            for i in range(0, len(qs), c.batch_size)]
-  methods = _list(c.methods)
+  methods = report.comma_list(c.methods)
   settings = _log_settings(c)
   log = os.path.join(c.out, "identity.jsonl") if c.out else None
   if log:
@@ -362,7 +358,7 @@ def identity(c: InvarianceSettings, progress: Callable[[str], None],
   if done:
     progress(f"{len(done)} results from {log}")
   rows = []
-  for dtype in _list(c.dtypes):
+  for dtype in report.comma_list(c.dtypes):
     for inv in _modes(c):
       model = None
       for n, unit in enumerate(units if run else ()):
@@ -408,7 +404,7 @@ def identity(c: InvarianceSettings, progress: Callable[[str], None],
 
 def _modes(c: InvarianceSettings) -> List[bool]:
   """The identity part's modes: 'on' (batch_invariant), 'off' (the default forward)."""
-  names = _list(c.modes)
+  names = report.comma_list(c.modes)
   unknown = set(names) - {"on", "off"}
   if unknown or not names:
     raise ValueError(f"modes must be a comma-separated subset of 'on,off', got {c.modes!r}")

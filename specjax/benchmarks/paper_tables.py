@@ -66,7 +66,7 @@ def _sub(c: PaperTablesSettings, out: str, **fields) -> specbench.BenchmarkSetti
 
 
 def _methods(c: PaperTablesSettings) -> List[str]:
-  return [m.strip() for m in str(c.methods).split(",") if m.strip()]
+  return report.comma_list(c.methods)
 
 
 def _overall(results) -> Dict[str, dict]:

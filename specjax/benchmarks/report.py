@@ -12,7 +12,7 @@ import os
 import platform
 import statistics
 import subprocess
-from typing import Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 import jax
 
@@ -97,6 +97,11 @@ def hardware() -> dict:
   return {"platform": platform.platform(), "machine": platform.machine(),
           "cpu_count": os.cpu_count(), "jax_backend": jax.default_backend(),
           "device_kind": dev.device_kind, "jax": jax.__version__}
+
+
+def comma_list(text) -> List[str]:
+  """A comma-separated setting ('a, b,,c') as its non-empty, stripped names."""
+  return [x.strip() for x in str(text).split(",") if x.strip()]
 
 
 def clock(s: float) -> str:

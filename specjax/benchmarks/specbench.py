@@ -487,7 +487,7 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
   t_start = time.perf_counter()
   commit = report.git_commit()  # the code this process runs, before anyone commits more
   progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-  methods = [m.strip() for m in str(c.methods).split(",") if m.strip()]
+  methods = report.comma_list(c.methods)
   if not methods:
     raise ConfigValueError("no methods given (e.g. methods='prompt_lookup,layer_skip')")
   if len(set(methods)) != len(methods):
