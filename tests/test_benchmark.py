@@ -19,6 +19,7 @@ import pytest
 from specjax.benchmarks import questions
 from specjax.benchmarks import specbench
 from specjax.drafters import registry
+from specjax.drafters import settings as drafter_settings
 
 pytestmark = pytest.mark.slow
 
@@ -163,6 +164,27 @@ def test_method_settings_after_at(smollm2_short):
   assert (d.k, d.max_ngram) == (2, 2)
   d, _ = registry.make_drafter("prompt_lookup", {"k": 5, "max_ngram": 4}, smollm2_short)
   assert (d.k, d.max_ngram) == (5, 4)  # the config itself is untouched
+
+
+def test_method_fields_the_method_ignores_are_refused():
+  # a field the method does not read was silently ignored: 'draft_model@checkpoint=DIR'
+  # ran the shipped draft model (its directory is draft_model=DIR)
+  with pytest.raises(ValueError, match="draft_model does not read 'checkpoint'"):
+    registry.parse_method("draft_model@k=3@checkpoint=/tmp/x")
+  with pytest.raises(ValueError, match="prompt_lookup does not read 'tree_nodes'"):
+    registry.parse_method("prompt_lookup@tree_nodes=8")
+  with pytest.raises(ValueError, match="lookahead_tree does not read 'k'"):
+    registry.parse_method("lookahead_tree@k=3")
+  assert registry.parse_method("draft_model@draft_model=/tmp/x") == (
+      "draft_model", {"draft_model": "/tmp/x"})
+  # one row per built-in method, naming fields that exist
+  fields = {f.name for f in dataclasses.fields(drafter_settings.DrafterSettings)}
+  assert set(drafter_settings.METHOD_FIELDS) <= set(registry.BUILDERS)
+  assert set(registry.available_methods()) - set(drafter_settings.METHOD_FIELDS) <= {
+      "repeat_ngram"}  # tests/test_new_drafter.py registers it
+  for method, reads in drafter_settings.METHOD_FIELDS.items():
+    assert "k" in reads or method == "lookahead_tree", method
+    assert reads <= fields, (method, reads - fields)
 
 
 def test_benchmark_refuses_repeated_or_unknown_methods(smollm2_short, tmp_path):

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from specjax.benchmarks import specbench
+from specjax.drafters import registry
 from specjax.io import jsonl
 from specjax.settings import RunSettings, require
 from specjax.training import distill_data, run as train_run
@@ -80,6 +81,8 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
   require(c, ScalingSettings, "scaling.run_scaling")
   require(train, TrainSettings, "scaling.run_scaling")
   progress = progress or (lambda s: print(s, flush=True))
+  bench_method = lambda export: f"{train.method}@k={c.bench_k}@checkpoint={export}"  # pylint: disable=unnecessary-lambda-assignment
+  registry.parse_method(bench_method(""))  # a drafter without a checkpoint fails before training
   if not c.data_path or not os.path.isfile(c.data_path):
     raise FileNotFoundError(f"data_path={c.data_path!r}: no self-distillation data there "
                             "(experiments/distill.py writes it)")
@@ -117,7 +120,7 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
     out = train_run.run(ts, progress=progress)
     bench = specbench.run_benchmark(specbench.BenchmarkSettings(
         model=train.model, dtype=train.dtype, repeats=1, calibrate=False,
-        methods=f"{train.method}@k={c.bench_k}@checkpoint={ts.export}",
+        methods=bench_method(ts.export),
         prompt_limit=c.bench_prompt_limit, max_new_tokens=c.bench_max_new_tokens,
         out=os.path.join(c.out, name, "bench")), progress=progress)
     rows = [r for r in bench["results"] if r["method"] != "ar"]

@@ -91,12 +91,38 @@ def _parse_value(text: str):
   return {"None": None, "true": True, "false": False}.get(text, text)
 
 
+_TRAINED = frozenset({"k", "checkpoint", "draft_vocab"})
+_TREE = frozenset({"tree_nodes", "tree_mode"})
+# The fields each built-in method reads. A '@' value of a field the method does
+# not read is refused: it would be silently ignored ('draft_model@checkpoint=DIR'
+# would run the shipped draft model; its directory is draft_model=DIR). Methods
+# added with `registry.register` are not listed and take any field.
+METHOD_FIELDS = {
+    "prompt_lookup": frozenset({"k", "max_ngram", "min_ngram"}),
+    "layer_skip": frozenset({"k", "layers"}),
+    "draft_model": frozenset({"k", "draft_model", "draft_vocab", "draft_stop"}),
+    "replay": frozenset({"k"}),
+    "always_reject": frozenset({"k"}),
+    "medusa": _TRAINED,
+    "blockwise": _TRAINED,
+    "eagle": _TRAINED | {"draft_stop"},
+    "eagle3": _TRAINED | {"draft_stop"},
+    "medusa_tree": _TRAINED | _TREE,
+    "eagle_tree": _TRAINED | _TREE | {"tree_topk", "tree_width"},
+    "eagle3_tree": _TRAINED | _TREE | {"tree_topk", "tree_width"},
+    "lookahead": LOOKAHEAD_FIELDS | {"k"},
+    "lookahead_tree": LOOKAHEAD_FIELDS - {"k"},  # a trie's depth is ngram - 1
+}
+
+
 def parse_method(method: str) -> tuple[str, dict]:
-  """'eagle3_tree@tree_nodes=8@k=3' -> ('eagle3_tree', {'tree_nodes': 8, 'k': 3})."""
+  """'eagle3_tree@tree_nodes=8@k=3' -> ('eagle3_tree', {'tree_nodes': 8, 'k': 3}).
+  ValueError for a field that does not exist or that the method does not read."""
   base, *parts = str(method).split("@")
   allowed = set(CONFIG_FIELDS)
   if base in LOOKAHEAD_METHODS:
     allowed |= LOOKAHEAD_FIELDS
+  reads = METHOD_FIELDS.get(base)
   overrides = {}
   for part in parts:
     key, sep, value = part.partition("=")
@@ -106,6 +132,9 @@ def parse_method(method: str) -> tuple[str, dict]:
     if key not in allowed:
       raise ValueError(f"method {method!r}: unknown field {key!r}; fields: "
                        f"{', '.join(sorted(allowed))}")
+    if reads is not None and key not in reads:
+      raise ValueError(f"method {method!r}: {base} does not read {key!r}; its fields: "
+                       f"{', '.join(sorted(reads))}")
     overrides[key] = _parse_value(value)
   return base, overrides
 
