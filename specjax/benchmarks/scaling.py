@@ -81,7 +81,10 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
   require(c, ScalingSettings, "scaling.run_scaling")
   require(train, TrainSettings, "scaling.run_scaling")
   progress = progress or (lambda s: print(s, flush=True))
-  bench_method = lambda export: f"{train.method}@k={c.bench_k}@checkpoint={export}"  # pylint: disable=unnecessary-lambda-assignment
+
+  def bench_method(export: str) -> str:
+    return f"{train.method}@k={c.bench_k}@checkpoint={export}"
+
   registry.parse_method(bench_method(""))  # a drafter without a checkpoint fails before training
   if not c.data_path or not os.path.isfile(c.data_path):
     raise FileNotFoundError(f"data_path={c.data_path!r}: no self-distillation data there "
