@@ -225,8 +225,9 @@ def test_invariant_tile_sets_the_rows_per_tile():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_small_row_products_match_the_plain_product(dtype):
-  """The fused-reduction path for 1-16 rows (padded to a power of two) equals
-  x @ w^T on a weight large enough to take it."""
+  """The few-row paths for 1-16 rows (`kernels.rowdot` for up to 8 where it
+  runs, the fused reduction padded to a power of two) equal x @ w^T on a
+  weight large enough to take them."""
   w = jax.random.normal(jax.random.PRNGKey(0), (1024, 256)).astype(dtype)
   assert w.size >= transformer.SMALL_ROWS_MIN_WEIGHT
   for shape in [(1, 1), (1, 2), (1, 3), (2, 3), (1, 5), (4, 4), (1, 16), (3, 7)]:

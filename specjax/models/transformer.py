@@ -26,6 +26,7 @@ from typing import Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
+from specjax import kernels
 from specjax.models import invariant as invariant_lib
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
@@ -63,36 +64,37 @@ def init(key: jax.Array, cfg: ModelConfig) -> Params:
   return params
 
 
-# Row counts (batch x new tokens) up to this run as a fused multiply +
-# reduction instead of a GEMM. XLA CPU's GEMM path is slow for a handful of
-# rows: on the 2-core dev machine 30 SmolLM2-sized (3072 x 576) products cost
-# ~13 ms for 1 row (GEMV, near bandwidth) but ~30 ms for 2-8 rows, while the
-# reduction form reads each weight row once for all rows and costs ~20 ms.
-# Rows are padded to a power of two (the reduction runs 5-7 rows slower than
-# 8). One float32 row keeps the GEMV path (the reduction is far slower there);
-# every one-row bfloat16 product form takes a slow path (~7x), so a bf16 row
-# is padded to two. Large blocks (prefill) keep the GEMM.
+# Row counts (batch x new tokens) up to this run as a few-row product instead
+# of a GEMM, and only for weights this large (bandwidth-bound products; the
+# test suite's small models, often vmapped over 10^5 keys, keep the plain
+# product). Large blocks (prefill) keep the GEMM.
 SMALL_ROWS_MAX = 16
-# ... and only for weights this large (bandwidth-bound products). Small
-# models (the test suite's, often vmapped over 10^5 keys, where the reduction
-# form is slow) keep the plain product.
 SMALL_ROWS_MIN_WEIGHT = 1 << 18
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
   """x @ w^T for w stored (out, in), with float32 accumulation and output
-  (bf16-output matmuls are slow on CPU)."""
+  (bf16-output matmuls are slow on CPU); x is rounded to the weight dtype.
+
+  On the CPU, 1-8 rows times a large weight take `kernels.rowdot`, which
+  reads the weights once for all rows (XLA CPU has no such kernel: a 5-row
+  product costs 2x its one-row GEMV) and gives each row the same bits
+  whatever the row count. Otherwise (9-16 rows, or the kernel unavailable):
+  one float32 row takes XLA's GEMV; 2-16 float32 rows (bfloat16: 1-8, padded to at least 2:
+  every one-row bfloat16 product form takes a slow path, ~7x, and XLA CPU
+  lowers the 16-row bfloat16 reduction to a lossy kernel, ~0.5% error) a
+  fused multiply + reduction, padded to a power of two (5-7 rows run slower
+  than 8)."""
   rows = 1
   for n in x.shape[:-1]:
     rows *= n
-  # bf16: at most 8 rows (XLA CPU lowers the 16-row bf16 reduction to a lossy
-  # kernel, ~0.5% error; tested in tests/test_transformer.py).
+  big = w.size >= SMALL_ROWS_MIN_WEIGHT and jax.default_backend() == "cpu"
+  if big and rows <= kernels.MAX_ROWS and kernels.available():
+    xf = x.reshape(rows, x.shape[-1]).astype(w.dtype).astype(jnp.float32)
+    return kernels.rowdot(xf, w).reshape(*x.shape[:-1], w.shape[0])
   max_rows = SMALL_ROWS_MAX if w.dtype == jnp.float32 else 8
-  small = (rows <= max_rows and w.size >= SMALL_ROWS_MIN_WEIGHT
-           and not (rows == 1 and w.dtype == jnp.float32))
-  if small and jax.default_backend() == "cpu":
+  if big and rows <= max_rows and not (rows == 1 and w.dtype == jnp.float32):
     padded = max(2, 1 << (rows - 1).bit_length())
-    # x is rounded to the weight dtype, as the plain product below does.
     xf = x.reshape(rows, x.shape[-1]).astype(w.dtype).astype(jnp.float32)
     xf = jnp.pad(xf, ((0, padded - rows), (0, 0)))
     y = jnp.sum(w.astype(jnp.float32)[:, None, :] * xf[None, :, :], axis=-1)  # (F, padded)

@@ -1,0 +1,168 @@
+// A few rows times a weight matrix on the CPU, reading the weights once:
+// y (R, F) = x (R, D) @ w^T for w stored (F, D) in float32 or bfloat16,
+// float32 accumulation.
+//
+// Why: XLA CPU has no fast kernel for 2-16 rows (measured in
+// specjax/kernels/__init__.py's docstring): its one-row GEMV streams the
+// weights near bandwidth, but 5 rows cost 2x that, so a (k + 1)-token verify
+// forward costs ~1.8 AR steps. Here each weight vector is loaded once and
+// multiplied into every row's accumulator, so R rows cost about what one does
+// while the weights' bandwidth, not the arithmetic, bounds the product.
+//
+// Every output element y[r, f] is computed the same way whatever R is and
+// whatever the other rows hold: eight lanes of partial sums over d (lane l
+// takes d = l, l + 8, ...), combined in one fixed order. A row's result is
+// therefore bit for bit the same in a one-row AR step and in a verify block
+// (tests/test_kernels.py); threads split the output columns, never a sum.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kLanes = 8;
+constexpr int64_t kMaxGroup = 8;  // rows whose accumulators stay in registers
+// Products smaller than this (weight elements) run on the calling thread alone:
+// handing work to the pool costs more than it saves.
+constexpr int64_t kMinParallel = int64_t{1} << 19;
+
+inline __m256 Load(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 Load(const uint16_t* p) {  // 8 bfloat16 -> float32 (exact)
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float ToFloat(float v) { return v; }
+inline float ToFloat(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Lanes (l0..l7) -> ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+inline float Sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Rows [r0, r0 + G) of x against weight rows [f, f + FB): G x FB accumulators
+// in registers, each weight vector loaded once for the G rows.
+template <int G, int FB, typename W>
+inline void Tile(const float* x, const W* w, float* y, int64_t r0, int64_t f, int64_t d_dim,
+                 int64_t f_dim) {
+  const int64_t body = d_dim - d_dim % kLanes;
+  __m256 acc[G][FB];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < FB; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < body; d += kLanes) {
+    __m256 wv[FB];
+    for (int j = 0; j < FB; ++j) wv[j] = Load(w + (f + j) * d_dim + d);
+    for (int g = 0; g < G; ++g) {
+      const __m256 xv = Load(x + (r0 + g) * d_dim + d);
+      for (int j = 0; j < FB; ++j) acc[g][j] = _mm256_fmadd_ps(wv[j], xv, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < FB; ++j) {
+      float s = Sum(acc[g][j]);
+      for (int64_t d = body; d < d_dim; ++d) {  // a tail shorter than a vector
+        s = std::fma(ToFloat(w[(f + j) * d_dim + d]), x[(r0 + g) * d_dim + d], s);
+      }
+      y[(r0 + g) * f_dim + f + j] = s;
+    }
+  }
+}
+
+// Rows [r0, r0 + G) against weight rows [f0, f1): one or two rows take 4 or 2
+// weight rows at a time (independent chains hide the FMA's latency), more
+// rows one weight row at a time (each of their accumulators is a chain).
+template <int G, typename W>
+void Rows(const float* x, const W* w, float* y, int64_t r0, int64_t f0, int64_t f1,
+          int64_t d_dim, int64_t f_dim) {
+  constexpr int FB = G == 1 ? 4 : G == 2 ? 2 : 1;
+  int64_t f = f0;
+  for (; f + FB <= f1; f += FB) Tile<G, FB>(x, w, y, r0, f, d_dim, f_dim);
+  for (; f < f1; ++f) Tile<G, 1>(x, w, y, r0, f, d_dim, f_dim);
+}
+
+// Weight rows [f0, f1) against every row of x: up to 8 rows per pass over the
+// weights (more rows take further passes).
+template <typename W>
+void Columns(const float* x, const W* w, float* y, int64_t rows, int64_t f0, int64_t f1,
+             int64_t d_dim, int64_t f_dim) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxGroup) {
+    switch (std::min<int64_t>(rows - r0, kMaxGroup)) {
+      case 1: Rows<1>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
+      case 2: Rows<2>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
+      case 3: Rows<3>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
+      case 4: Rows<4>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
+      case 5: Rows<5>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
+      case 6: Rows<6>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
+      case 7: Rows<7>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
+      default: Rows<8>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
+    }
+  }
+}
+
+template <typename W>
+void Run(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t rows,
+         int64_t f_dim, int64_t d_dim) {
+  // One column block per thread of the pool (this thread takes the first);
+  // a block is a multiple of 64 columns, so no cache line of y is shared.
+  const int64_t workers =
+      f_dim * d_dim < kMinParallel ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const int64_t per = ((f_dim + workers - 1) / workers + 63) / 64 * 64;
+  const int64_t tasks = (f_dim + per - 1) / per;
+  std::atomic<int64_t> left(tasks - 1);
+  for (int64_t t = 1; t < tasks; ++t) {
+    pool.Schedule([=, &left] {
+      Columns(x, w, y, rows, t * per, std::min(f_dim, (t + 1) * per), d_dim, f_dim);
+      left.fetch_sub(1, std::memory_order_acq_rel);
+    });
+  }
+  Columns(x, w, y, rows, 0, std::min(f_dim, per), d_dim, f_dim);
+  while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+}
+
+ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("rowdot: x (R, D) and w (F, D) expected");
+  }
+  const int64_t rows = xd[0], d_dim = xd[1], f_dim = wd[0];
+  float* out = y->typed_data();
+  if (w.element_type() == ffi::F32) {
+    Run(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), out, rows, f_dim, d_dim);
+  } else if (w.element_type() == ffi::BF16) {
+    Run(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), out, rows, f_dim,
+        d_dim);
+  } else {
+    return ffi::Error::InvalidArgument("rowdot: weights must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowDot, RowDotImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
