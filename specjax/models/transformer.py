@@ -80,11 +80,11 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
   reads the weights once for all rows (XLA CPU has no such kernel: a 5-row
   product costs 2x its one-row GEMV) and gives each row the same bits
   whatever the row count. Otherwise (9-16 rows, or the kernel unavailable):
-  one float32 row takes XLA's GEMV; 2-16 float32 rows (bfloat16: 1-8, padded to at least 2:
-  every one-row bfloat16 product form takes a slow path, ~7x, and XLA CPU
-  lowers the 16-row bfloat16 reduction to a lossy kernel, ~0.5% error) a
-  fused multiply + reduction, padded to a power of two (5-7 rows run slower
-  than 8)."""
+  one float32 row takes XLA's GEMV; 2-16 float32 rows (bfloat16: 1-8, padded
+  to at least 2: every one-row bfloat16 product form takes a slow path, ~7x,
+  and XLA CPU lowers the 16-row bfloat16 reduction to a lossy kernel, ~0.5%
+  error) a fused multiply + reduction, padded to a power of two (5-7 rows run
+  slower than 8)."""
   rows = 1
   for n in x.shape[:-1]:
     rows *= n
