@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 
 #include "xla/ffi/api/ffi.h"
@@ -121,21 +122,30 @@ void Columns(const float* x, const W* w, float* y, int64_t rows, int64_t f0, int
 template <typename W>
 void Run(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t rows,
          int64_t f_dim, int64_t d_dim) {
-  // One column block per thread of the pool (this thread takes the first);
-  // a block is a multiple of 64 columns, so no cache line of y is shared.
+  // Column blocks, one per thread of the pool (a multiple of 64 columns, so no
+  // cache line of y is shared). Blocks are claimed from a counter by this
+  // thread and by the helpers it schedules; this thread then waits only for
+  // blocks already claimed, which are running. It never waits for a helper to
+  // start: the pool's threads may all be busy (other devices' calls of this
+  // kernel on a host mesh), and a helper that starts late finds no block left
+  // and touches nothing but the shared counters.
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
   const int64_t workers =
       f_dim * d_dim < kMinParallel ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t per = ((f_dim + workers - 1) / workers + 63) / 64 * 64;
   const int64_t tasks = (f_dim + per - 1) / per;
-  std::atomic<int64_t> left(tasks - 1);
-  for (int64_t t = 1; t < tasks; ++t) {
-    pool.Schedule([=, &left] {
+  auto state = std::make_shared<State>();
+  auto work = [=] {
+    for (int64_t t; (t = state->next.fetch_add(1, std::memory_order_acq_rel)) < tasks;) {
       Columns(x, w, y, rows, t * per, std::min(f_dim, (t + 1) * per), d_dim, f_dim);
-      left.fetch_sub(1, std::memory_order_acq_rel);
-    });
-  }
-  Columns(x, w, y, rows, 0, std::min(f_dim, per), d_dim, f_dim);
-  while (left.load(std::memory_order_acquire) > 0) std::this_thread::yield();
+      state->done.fetch_add(1, std::memory_order_acq_rel);
+    }
+  };
+  for (int64_t t = 1; t < tasks; ++t) pool.Schedule(decltype(work)(work));  // a copy each
+  work();
+  while (state->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
 }
 
 ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
