@@ -26,6 +26,7 @@ import warnings
 import jax
 import pytest
 
+from specjax import kernels
 from specjax.analysis import bitwise
 from specjax.analysis.bitwise import RAGGED, chain_mismatches, tree_mismatches
 from specjax.models import transformer
@@ -91,16 +92,7 @@ def test_smollm2_verify_blocks_and_a_tree_equal_one_token_steps(smollm2, dtype):
 
 
 def current_platform() -> dict:
-  flags = []
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("flags"):
-          flags = sorted(line.split(":", 1)[1].split())
-          break
-  except OSError:
-    pass
-  simd = [f for f in flags if f.startswith(("avx", "sse4", "fma", "amx"))]
+  simd = sorted(f for f in kernels.cpu_flags() if f.startswith(("avx", "sse4", "fma", "amx")))
   import jaxlib  # pylint: disable=import-outside-toplevel
   return {"jaxlib": jaxlib.__version__, "machine": platform.machine(),
           "backend": jax.default_backend(), "cpu_simd_flags": simd}

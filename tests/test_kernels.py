@@ -24,7 +24,7 @@ def rowdot():
   if not kernels.available():
     # The CI machine and every development machine so far are x86-64 with AVX2
     # and a compiler: there the kernel must build, not be skipped quietly.
-    assert not {"avx2", "fma"} <= kernels._cpu_flags(), kernels.unavailable_reason()  # pylint: disable=protected-access
+    assert not {"avx2", "fma"} <= kernels.cpu_flags(), kernels.unavailable_reason()
     pytest.skip(f"rowdot unavailable: {kernels.unavailable_reason()}")
   return jax.jit(kernels.rowdot)
 

@@ -55,7 +55,8 @@ MAX_ROWS = 8
 _reason: Optional[str] = None
 
 
-def _cpu_flags() -> set:
+def cpu_flags() -> set:
+  """This CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
   try:
     with open("/proc/cpuinfo", encoding="utf-8") as f:
       for line in f:
@@ -98,28 +99,22 @@ def _build() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _register() -> None:  # once per process, whatever `available`'s cache says
-  lib = ctypes.cdll.LoadLibrary(str(_build()))
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDot), platform="cpu")
-
-
-@functools.lru_cache(maxsize=None)
 def available() -> bool:
   """Whether `rowdot` runs here (built and registered with XLA on first call)."""
   global _reason
-  _reason = None
   if os.environ.get("SPECJAX_ROWDOT", "1") == "0":
     _reason = "SPECJAX_ROWDOT=0"
     return False
   if platform.machine().lower() not in ("x86_64", "amd64"):
     _reason = f"an x86-64 kernel; this machine is {platform.machine()}"
     return False
-  missing = {"avx2", "fma"} - _cpu_flags()
+  missing = {"avx2", "fma"} - cpu_flags()
   if missing:
     _reason = f"the CPU lacks {', '.join(sorted(missing))}"
     return False
   try:
-    _register()
+    lib = ctypes.cdll.LoadLibrary(str(_build()))
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDot), platform="cpu")
   except (RuntimeError, OSError) as e:
     _reason = f"could not build the kernel: {e}"
     warnings.warn(f"specjax: the rowdot CPU kernel is unavailable ({_reason}); "
