@@ -31,7 +31,7 @@ def _config(tmp_path, **kw):
 def _record(c, method, ids, identical, first=None):
   return {"settings": {"model": c.model, "max_new_tokens": c.max_new_tokens, "k": c.drafter.k,
                        "batch_size": c.batch_size,
-                       "invariant_forward": invariant_lib.FORMULATION},
+                       "invariant_forward": invariant_lib.formulation()},
           "dtype": "float32", "batch_invariant": True, "method": method, "question_ids": ids,
           "identical": identical, "first_divergence": first or [None] * len(ids)}
 
@@ -87,7 +87,7 @@ def test_invariance_takes_its_settings_dataclass(tmp_path):
   assert settings == invariance.InvarianceSettings()
   assert invariance._log_settings(settings) == {  # pylint: disable=protected-access
       "model": "smollm2-135m", "max_new_tokens": 64, "k": 4, "batch_size": 10,
-      "invariant_forward": invariant_lib.FORMULATION}
+      "invariant_forward": invariant_lib.formulation()}
   small = invariance.InvarianceSettings.of(_get_config("small"))
   assert (small.parts, small.prompt_limit, small.batch_size) == ("identity", 1, 1)
   with pytest.raises(TypeError, match="InvarianceSettings"):

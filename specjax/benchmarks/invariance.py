@@ -313,13 +313,13 @@ def _unit_key(dtype: str, inv: bool, method: str, ids) -> tuple:
 def _log_settings(c: InvarianceSettings) -> dict:
   """The settings each identity record carries, that a resumed log must match:
   model, max_new_tokens, k, batch_size, the invariant forward's formulation
-  (`invariant_lib.FORMULATION`: a log of another formulation is refused, its bits
+  (`invariant_lib.formulation()`: a log of another formulation is refused, its bits
   are another forward's), plus identity_tile and the drafter fields other than
   k when set away from their defaults."""
   flat = c.flat()
   out = {"model": flat["model"], "max_new_tokens": int(flat["max_new_tokens"]),
          "k": int(flat["k"]), "batch_size": int(flat["batch_size"]),
-         "invariant_forward": invariant_lib.FORMULATION}
+         "invariant_forward": invariant_lib.formulation()}
   default = dataclasses.asdict(DrafterSettings())
   out.update({name: value for name, value in dataclasses.asdict(c.drafter).items()
               if name != "k" and value != default[name]})

@@ -45,13 +45,16 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-_SOURCE = Path(__file__).with_name("rowdot.cc")
-_TARGET = "specjax_rowdot"
+_SOURCES = tuple(Path(__file__).with_name(n) for n in ("rowdot.cc", "attention.cc"))
+_TARGETS = {"specjax_rowdot": "SpecjaxRowDot", "specjax_attention": "SpecjaxAttention"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-ffp-contract=off")
-# Rows decoding sends to the kernel: one pass over the weights (9-16 rows would
-# take two, slower than XLA's reduction form there; more rows: the GEMM).
-MAX_ROWS = 8
+# Rows decoding sends to the kernel (a weight chunk stays in the L1 cache while
+# every group of 8 rows passes over it, so 9-16 rows read the weights from
+# memory once too; session 36, bfloat16 LM head: 9 / 12 rows 5.0 / 6.4 ms
+# against XLA's reduction form's 9.6 / 9.8; more rows: the GEMM).
+MAX_ROWS = 16
 _reason: Optional[str] = None
 
 
@@ -72,24 +75,24 @@ def _compiler() -> Optional[str]:
 
 
 def _build() -> Path:
-  """Compile rowdot.cc (once per source, flags, compiler and jaxlib) -> the .so."""
+  """Compile the sources (once per source, flags, compiler and jaxlib) -> the .so."""
   import jaxlib  # pylint: disable=import-outside-toplevel
   cxx = _compiler()
   if cxx is None:
     raise RuntimeError("no C++ compiler (set CXX)")
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                            check=False).stdout.splitlines()[:1]
-  key = hashlib.sha256("\n".join([_SOURCE.read_text(), " ".join(_FLAGS), *version,
+  key = hashlib.sha256("\n".join([*(f.read_text() for f in _SOURCES), " ".join(_FLAGS), *version,
                                   jaxlib.__version__]).encode()).hexdigest()[:16]
   cache = Path(os.environ.get("SPECJAX_KERNEL_CACHE",
                               Path.home() / ".cache" / "specjax" / "kernels"))
-  lib = cache / f"rowdot-{key}.so"
+  lib = cache / f"kernels-{key}.so"
   if lib.exists():
     return lib
   cache.mkdir(parents=True, exist_ok=True)
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
   os.close(fd)
-  cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+  cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", tmp]
   res = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if res.returncode != 0:
     os.unlink(tmp)
@@ -114,7 +117,8 @@ def available() -> bool:
     return False
   try:
     lib = ctypes.cdll.LoadLibrary(str(_build()))
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.SpecjaxRowDot), platform="cpu")
+    for target, symbol in _TARGETS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
   except (RuntimeError, OSError) as e:
     _reason = f"could not build the kernel: {e}"
     warnings.warn(f"specjax: the rowdot CPU kernel is unavailable ({_reason}); "
@@ -128,30 +132,54 @@ def unavailable_reason() -> Optional[str]:
   return _reason
 
 
-def _call(x, w):
+def _call(x, w, valid):
   if not available():
     raise RuntimeError(f"the rowdot kernel is unavailable here: {unavailable_reason()}")
-  return jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
-                          vmap_method="sequential")(x, w)
+  valid = jnp.reshape(x.shape[0] if valid is None else valid, (1,)).astype(jnp.int32)
+  return jax.ffi.ffi_call("specjax_rowdot", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
+                          vmap_method="sequential")(x, w, valid)
 
 
 @jax.custom_vjp
-def rowdot(x: jax.Array, w: jax.Array) -> jax.Array:
+def rowdot(x: jax.Array, w: jax.Array, valid: Optional[jax.Array] = None) -> jax.Array:
   """x (R, D) float32 @ w^T for w (F, D) float32 or bfloat16 -> (R, F) float32
   (8 rows per pass over w); on the CPU, where `available()`. A row's result
-  does not depend on R or on the other rows."""
-  return _call(x, w)
+  does not depend on R or on the other rows. `valid` (a traced int32 scalar):
+  only rows [0, valid) are computed, the others come back zero (a padded
+  tile's real rows cost what they would alone)."""
+  return _call(x, w, valid)
 
 
-def _fwd(x, w):
-  return _call(x, w), (x, w)
+def _fwd(x, w, valid):
+  return _call(x, w, valid), (x, w, valid)
 
 
 def _bwd(res, g):  # the plain product's gradients (training never needs the kernel's bits)
-  x, w = res
+  x, w, valid = res
+  if valid is not None:
+    g = jnp.where(jnp.arange(g.shape[0])[:, None] < valid, g, 0.0)
   gx = jnp.einsum("rf,fd->rd", g, w.astype(jnp.float32))
   gw = jnp.einsum("rf,rd->fd", g, x).astype(w.dtype)
-  return gx, gw
+  return gx, gw, None
 
 
 rowdot.defvjp(_fwd, _bwd)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, row: jax.Array, src: jax.Array,
+              visible: jax.Array, valid: jax.Array, scale: float) -> jax.Array:
+  """Decode attention of P query rows, each over its own view of the cache
+  (source in `attention.cc`): q (P, H, Dh) float32; k, v (B, S, G, Dh) the
+  cache (float32 or bfloat16; H a multiple of G); row (P,) each query's batch
+  row; src (P, S) the cache slot each view slot reads; visible (P, S) which
+  view slots it attends to; rows [0, valid) computed, the others zero.
+  -> (P, H, Dh) float32: softmax(scale q.K) V over the visible view slots in
+  view order, the weights rounded to the cache's dtype. A row's result does
+  not depend on the other rows, P, S or the invisible slots. No gradient."""
+  if not available():
+    raise RuntimeError(f"the attention kernel is unavailable here: {unavailable_reason()}")
+  return jax.ffi.ffi_call("specjax_attention", jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                          vmap_method="sequential")(
+      q.astype(jnp.float32), k, v, row.astype(jnp.int32), src.astype(jnp.int32),
+      visible.astype(jnp.bool_), jnp.reshape(valid, (1,)).astype(jnp.int32),
+      scale=np.float32(scale))

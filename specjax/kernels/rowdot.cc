@@ -33,6 +33,9 @@ namespace {
 
 constexpr int64_t kLanes = 8;
 constexpr int64_t kMaxGroup = 8;  // rows whose accumulators stay in registers
+// Weight bytes a chunk of weight rows spans when more than one group of rows
+// passes over it (within a 32 KiB L1 data cache, beside the rows of x).
+constexpr int64_t kChunkBytes = 16 << 10;
 // Products smaller than this (weight elements) run on the calling thread alone:
 // handing work to the pool costs more than it saves.
 constexpr int64_t kMinParallel = int64_t{1} << 19;
@@ -100,21 +103,29 @@ void Rows(const float* x, const W* w, float* y, int64_t r0, int64_t f0, int64_t 
   for (; f < f1; ++f) Tile<G, 1>(x, w, y, r0, f, d_dim, f_dim);
 }
 
-// Weight rows [f0, f1) against every row of x: up to 8 rows per pass over the
-// weights (more rows take further passes).
+// Weight rows [f0, f1) against every row of x, in chunks of weight rows small
+// enough to stay in the L1 cache while every group of up to 8 rows (one
+// register group) passes over them: the weights are read from memory once
+// whatever the row count.
 template <typename W>
 void Columns(const float* x, const W* w, float* y, int64_t rows, int64_t f0, int64_t f1,
              int64_t d_dim, int64_t f_dim) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kMaxGroup) {
-    switch (std::min<int64_t>(rows - r0, kMaxGroup)) {
-      case 1: Rows<1>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
-      case 2: Rows<2>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
-      case 3: Rows<3>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
-      case 4: Rows<4>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
-      case 5: Rows<5>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
-      case 6: Rows<6>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
-      case 7: Rows<7>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
-      default: Rows<8>(x, w, y, r0, f0, f1, d_dim, f_dim); break;
+  const int64_t chunk =
+      rows <= kMaxGroup ? f1 - f0
+                        : std::max<int64_t>(4, kChunkBytes / (d_dim * int64_t{sizeof(W)}) / 4 * 4);
+  for (int64_t fc = f0; fc < f1; fc += chunk) {
+    const int64_t fe = std::min(f1, fc + chunk);
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxGroup) {
+      switch (std::min<int64_t>(rows - r0, kMaxGroup)) {
+        case 1: Rows<1>(x, w, y, r0, fc, fe, d_dim, f_dim); break;
+        case 2: Rows<2>(x, w, y, r0, fc, fe, d_dim, f_dim); break;
+        case 3: Rows<3>(x, w, y, r0, fc, fe, d_dim, f_dim); break;
+        case 4: Rows<4>(x, w, y, r0, fc, fe, d_dim, f_dim); break;
+        case 5: Rows<5>(x, w, y, r0, fc, fe, d_dim, f_dim); break;
+        case 6: Rows<6>(x, w, y, r0, fc, fe, d_dim, f_dim); break;
+        case 7: Rows<7>(x, w, y, r0, fc, fe, d_dim, f_dim); break;
+        default: Rows<8>(x, w, y, r0, fc, fe, d_dim, f_dim); break;
+      }
     }
   }
 }
@@ -149,14 +160,19 @@ void Run(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t ro
 }
 
 ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("rowdot: x (R, D) and w (F, D) expected");
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || valid.element_count() != 1) {
+    return ffi::Error::InvalidArgument("rowdot: x (R, D), w (F, D) and a row count expected");
   }
-  const int64_t rows = xd[0], d_dim = xd[1], f_dim = wd[0];
+  const int64_t d_dim = xd[1], f_dim = wd[0];
+  // Only the first `valid` rows are computed (a padded tile's real rows); the
+  // rest of y is zero. No row's bits depend on it.
+  const int64_t rows = std::clamp<int64_t>(valid.typed_data()[0], 0, xd[0]);
   float* out = y->typed_data();
+  if (rows < xd[0]) std::memset(out + rows * f_dim, 0, (xd[0] - rows) * f_dim * sizeof(float));
+  if (rows == 0) return ffi::Error::Success();
   if (w.element_type() == ffi::F32) {
     Run(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), out, rows, f_dim, d_dim);
   } else if (w.element_type() == ffi::BF16) {
@@ -175,4 +191,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowDot, RowDotImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

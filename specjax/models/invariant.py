@@ -39,6 +39,16 @@ tree verification; prefill excluded, it is shared) run here instead:
   the same values in the same places as AR does, and no query copies its
   row's cache (which cost more than the weights at long contexts).
 
+Where `specjax.kernels` runs (the CPU, the kernels built; `formulation()` says
+which form ran) the matmuls and the attention are its kernels, row-invariant by
+construction: `rowdot` computes each tile's real rows only (the padding rows
+cost no weight traffic) and `kernels.attention` scores each query over its view,
+the visible slots only, in view order (its result depends neither on the cache's
+size nor on the other rows). Only the element-wise parts (norms, RoPE, SwiGLU)
+still run on the whole tile, so the tile's padding costs little: AR and verify
+forwards cost what the default forward's do, or less (experiments/results/
+invariance/, session 36).
+
 Rows are computed symmetrically within a tile, so a row's result depends on
 its own inputs only. Verified bit for bit in float32 and bfloat16 by
 `tests/test_batch_invariant.py` (verify widths 1..17 and a tree against
@@ -53,6 +63,7 @@ from typing import Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from specjax import kernels
 from specjax.models.cache import KVCache
 from specjax.models import layers as L
 from specjax.models.config import ModelConfig
@@ -77,7 +88,8 @@ TILES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 5}
 # Which formulation of the invariant forward produced a result: the bits (and
 # so a logged identity run) belong to it. Session 27: attention reads the cache
 # in place, weights x values in fixed chunks, bfloat16 tiles of 5 rows (before:
-# a per-query copy of the cache, bfloat16 tiles of 16).
+# a per-query copy of the cache, bfloat16 tiles of 16). `formulation()` appends
+# "+rowdot" where the kernels run (session 36: the matmuls and the attention).
 FORMULATION = "s27-inplace-attention"
 
 
@@ -108,10 +120,25 @@ def _tiled(f, *xs):
   return jax.lax.fori_loop(0, trips, body, outs)
 
 
-def dot(x: jax.Array, w: jax.Array) -> jax.Array:
+def _kernel() -> bool:
+  """Whether the matmuls take `kernels.rowdot` (the CPU backend, the kernel built)."""
+  return jax.default_backend() == "cpu" and kernels.available()
+
+
+def formulation() -> str:
+  """Which formulation of the invariant forward runs here (see FORMULATION)."""
+  return FORMULATION + ("+rowdot" if _kernel() else "")
+
+
+def dot(x: jax.Array, w: jax.Array, valid: Optional[jax.Array] = None) -> jax.Array:
   """x (tile, D) @ w^T, w stored (F, D), float32 accumulation; x rounded to the
-  weight dtype as the plain product does. bfloat16: XLA's dot (a GEMM over
-  the tile); float32: the multiply + reduction form."""
+  weight dtype as the plain product does. Where `kernels.rowdot` runs (the CPU):
+  the kernel, computing the tile's first `valid` rows only (its real rows; the
+  padding rows' results are zero), every weight and precision alike. Else:
+  bfloat16 XLA's dot (a GEMM over the tile), float32 the multiply + reduction
+  form, over every row of the tile."""
+  if _kernel():
+    return kernels.rowdot(x.astype(w.dtype).astype(jnp.float32), w, valid)
   if w.dtype == jnp.bfloat16:
     return jnp.einsum("pd,fd->pf", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
   xf = x.astype(w.dtype).astype(jnp.float32)
@@ -175,6 +202,8 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
   src, visible = _views(length, positions, mask, s)
   row_of = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
   vis_t, row_t, pos_t = tiles(visible), tiles(row_of), tiles(positions)
+  # each tile's real rows (the matmuls skip the padding where the kernel runs)
+  valid_t = jnp.clip(rows - tile * jnp.arange(n_tiles, dtype=jnp.int32), 0, tile)
   view_t = () if mask is None else (tiles(src), tiles(jnp.broadcast_to(window[:, None], (b, t))))
   x = tiles(L.embed(params, tokens))  # (n, tile, D) float32
   run = tuple(range(cfg.num_layers) if layers is None else layers)
@@ -182,9 +211,9 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
     raise ValueError("the batch-invariant forward needs at least one layer to run")
   head = params["embed"] if cfg.tie_embeddings else params["lm_head"]
 
-  def qkv_tile(x, pos, p):
+  def qkv_tile(x, pos, nv, p):
     h = L.rms_norm(x, p["attn_norm"], cfg.norm_eps)
-    qkv = dot(h, p["wqkv"])
+    qkv = dot(h, p["wqkv"], nv)
     q = qkv[:, :hq * dh].reshape(tile, 1, hq, dh)
     k = qkv[:, hq * dh:(hq + hkv) * dh].reshape(tile, 1, hkv, dh)
     v = qkv[:, (hq + hkv) * dh:].reshape(tile, 1, hkv, dh)
@@ -192,11 +221,16 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
     k = L.rope(k, pos[:, None], cfg.rope_theta)[:, 0]
     return q, k, v[:, 0]
 
-  def attn_mlp_tile(x, q, vis, row, view, p, ck, cv):
+  def attn_mlp_tile(x, q, vis, row, nv, view, p, ck, cv):
     # Scores against the caches of the batch rows the tile can hold, read in
     # place (never copied per query row), each query keeping its own row's: a
     # slot's score does not depend on where in the product it sits, nor on the
     # product's width (tests/test_batch_invariant.py)
+    if _kernel():  # each query over its view, the visible slots only (kernels.attention)
+      src = view[0] if view else jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (tile, s))
+      o = kernels.attention(q.astype(ck.dtype).astype(jnp.float32), ck, cv, row, src, vis, nv,
+                            scale)
+      return mlp(x, o.reshape(tile, hq * dh), nv, p)
     qg = q.reshape(tile, hkv, g, dh)
     # the tile's rows are consecutive rows of the B x T block: they belong to at
     # most `near` consecutive batch rows, from the first row's on (padding rows
@@ -235,11 +269,13 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
       o_sel = jnp.take_along_axis(o_win, jnp.clip(rel, 0, win_chunks - 1)[:, None, None, :, None],
                                   axis=3)
       o = jnp.where(inside[:, None, None, :, None], o_sel, o)
-    o = jnp.sum(o, axis=3).reshape(tile, hq * dh)
-    x = x + dot(o, p["wo"])
+    return mlp(x, jnp.sum(o, axis=3).reshape(tile, hq * dh), nv, p)
+
+  def mlp(x, o, nv, p):  # the attention's output projection, then the MLP
+    x = x + dot(o, p["wo"], nv)
     h = L.rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-    gate, up = jnp.split(dot(h, p["w_gate_up"]), 2, axis=-1)
-    return x + dot(jax.nn.silu(gate) * up, p["w_down"])
+    gate, up = jnp.split(dot(h, p["w_gate_up"], nv), 2, axis=-1)
+    return x + dot(jax.nn.silu(gate) * up, p["w_down"], nv)
 
   # One tile loop per layer: layer i's attention + MLP, then layer i + 1's
   # Q/K/V (or, after the last layer, the final norm and the LM head) in the same
@@ -248,23 +284,23 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
   # fewest loops: each costs a fixed overhead on XLA CPU.
   taps = {}
   new_k, new_v = list(cache.k), list(cache.v)
-  q, k, v = _tiled(functools.partial(qkv_tile, p=params["layers"][run[0]]), x, pos_t)
+  q, k, v = _tiled(functools.partial(qkv_tile, p=params["layers"][run[0]]), x, pos_t, valid_t)
   for j, i in enumerate(run):
     new_k[i] = L.write_cache(cache.k[i], untile(k), length, active)
     new_v[i] = L.write_cache(cache.v[i], untile(v), length, active)
     last = j + 1 == len(run)
 
-    def body(x, q, vis, row, pos, *view, i=i, last=last, nxt=None if last else run[j + 1]):
-      x = attn_mlp_tile(x, q, vis, row, view, params["layers"][i], new_k[i], new_v[i])
+    def body(x, q, vis, row, pos, nv, *view, i=i, last=last, nxt=None if last else run[j + 1]):
+      x = attn_mlp_tile(x, q, vis, row, nv, view, params["layers"][i], new_k[i], new_v[i])
       if not last:
-        return (x,) + qkv_tile(x, pos, params["layers"][nxt])
+        return (x,) + qkv_tile(x, pos, nv, params["layers"][nxt])
       final = L.rms_norm(x, params["final_norm"], cfg.norm_eps)
-      return x, final, dot(final, head) if compute_logits else None
+      return x, final, dot(final, head, nv) if compute_logits else None
 
     if last:
-      x, final, logits = _tiled(body, x, q, vis_t, row_t, pos_t, *view_t)
+      x, final, logits = _tiled(body, x, q, vis_t, row_t, pos_t, valid_t, *view_t)
     else:
-      x, q, k, v = _tiled(body, x, q, vis_t, row_t, pos_t, *view_t)
+      x, q, k, v = _tiled(body, x, q, vis_t, row_t, pos_t, valid_t, *view_t)
     taps[i] = x
 
   taps[cfg.num_layers] = final

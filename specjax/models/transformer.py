@@ -76,10 +76,10 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
   """x @ w^T for w stored (out, in), with float32 accumulation and output
   (bf16-output matmuls are slow on CPU); x is rounded to the weight dtype.
 
-  On the CPU, 1-8 rows times a large weight take `kernels.rowdot`, which
+  On the CPU, 1-16 rows times a large weight take `kernels.rowdot`, which
   reads the weights once for all rows (XLA CPU has no such kernel: a 5-row
   product costs 2x its one-row GEMV) and gives each row the same bits
-  whatever the row count. Otherwise (9-16 rows, or the kernel unavailable):
+  whatever the row count. Otherwise (the kernel unavailable):
   one float32 row takes XLA's GEMV; 2-16 float32 rows (bfloat16: 1-8, padded
   to at least 2: every one-row bfloat16 product form takes a slow path, ~7x,
   and XLA CPU lowers the 16-row bfloat16 reduction to a lossy kernel, ~0.5%
