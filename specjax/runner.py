@@ -20,6 +20,7 @@ from specjax.decoding import autoregressive
 from specjax.drafters.settings import DrafterSettings
 from specjax.errors import ConfigValueError
 from specjax.io.load import Model, load_model
+from specjax.models import invariant as invariant_lib
 from specjax.settings import RunSettings, require
 
 
@@ -31,8 +32,9 @@ class GenerateSettings(RunSettings):
   model: str = "smollm2-135m"
   dtype: str = "float32"
   # decode forwards bit for bit independent of the block (specjax.models.invariant):
-  # greedy speculative output equals greedy AR token for token; slower
-  batch_invariant: bool = False
+  # greedy speculative output equals greedy AR token for token. None: the
+  # precision's default (invariant.default_for: on in bfloat16 on the CPU, off a mesh)
+  batch_invariant: Optional[bool] = None
   invariant_tile: int = 0  # its rows per tile (ModelConfig.invariant_tile; 0: the default)
   prompt: str = "Explain in three sentences why the sky is blue."
   system: Optional[str] = None
@@ -77,7 +79,8 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
   methods = ("ar",) + registry.available_methods()
   if c.method not in methods:
     raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
-  model = model or load_model(c.model, c.dtype, batch_invariant=c.batch_invariant,
+  inv = invariant_lib.resolve(c.batch_invariant, c.dtype, bool(c.mesh))
+  model = model or load_model(c.model, c.dtype, batch_invariant=inv,
                               invariant_tile=c.invariant_tile)
   if model.tokenizer is None:
     raise ValueError(f"model {c.model!r} has no tokenizer to encode the prompt")

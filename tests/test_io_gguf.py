@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import kernels
 from specjax.io import gguf as gguf_io
 from specjax.errors import ConfigValueError
 from specjax.io.gguf import GGUFError
@@ -166,6 +167,11 @@ def test_config_round_trip(tiny_gguf, tiny_model):
 def test_batch_invariant_settings_reach_the_config(tiny_gguf):
   cfg = load_model(tiny_gguf.path, batch_invariant=True, invariant_tile=5).cfg
   assert (cfg.batch_invariant, cfg.invariant_tile) == (True, 5)
+  # unset: the precision's default (bfloat16 on where the CPU kernels run; float32 off)
+  assert not load_model(tiny_gguf.path).cfg.batch_invariant
+  bf16 = load_model(tiny_gguf.path, "bfloat16").cfg.batch_invariant
+  assert bf16 == (jax.default_backend() == "cpu" and kernels.available())
+  assert not load_model(tiny_gguf.path, "bfloat16", batch_invariant=False).cfg.batch_invariant
   with pytest.raises(ConfigValueError, match="needs batch_invariant=True"):
     load_model(tiny_gguf.path, invariant_tile=5)
   with pytest.raises(ConfigValueError, match="invariant_tile must be 0"):

@@ -120,7 +120,7 @@ def test_transformer_products_take_the_kernel(rowdot):
   np.testing.assert_array_equal(np.asarray(dot(x[:1, :5], w))[0],
                                 np.asarray(rowdot(x[0, :5], w)))
   hlo = jax.jit(transformer._dot).lower(x[:1, :5], w).as_text()  # pylint: disable=protected-access
-  assert "specjax_rowdot" in hlo  # pylint: disable=protected-access
+  assert "specjax_rowdot" in hlo
   assert "specjax_rowdot" not in jax.jit(transformer._dot).lower(x, w).as_text()  # pylint: disable=protected-access
 
 

@@ -84,6 +84,7 @@ from specjax.drafters.settings import DrafterSettings
 from specjax.errors import ConfigValueError
 from specjax.io import jsonl
 from specjax.io.load import Model, load_model
+from specjax.models import invariant as invariant_lib
 from specjax.settings import RunSettings, require
 
 LOG = "log.jsonl"
@@ -103,8 +104,9 @@ class BenchmarkSettings(RunSettings):
   model: str = "smollm2-135m"
   dtype: str = "float32"
   # decode forwards bit for bit independent of the block (specjax.models.invariant):
-  # greedy speculative output equals greedy AR token for token; slower
-  batch_invariant: bool = False
+  # greedy speculative output equals greedy AR token for token. None: the
+  # precision's default (invariant.default_for: on in bfloat16 on the CPU, off a mesh)
+  batch_invariant: Optional[bool] = None
   invariant_tile: int = 0  # its rows per tile (ModelConfig.invariant_tile; 0: the default)
   # AR also in this precision (e.g. 'float32' beside a bfloat16 run), interleaved:
   # speedups also over the fastest AR of the two ('': the run's own AR only)
@@ -413,12 +415,19 @@ def summarize(records: Sequence[dict], methods: Sequence[str], meta: dict,
            for k, v in row.items()} for row in out]
 
 
-def _cast_model(model: Model, dtype: str) -> Model:
+def _cast_model(model: Model, dtype: str, batch_invariant: bool) -> Model:
   """`model` with its weights cast to `dtype` (float32 -> bfloat16 rounds each
-  weight as loading it in bfloat16 does)."""
+  weight as loading it in bfloat16 does), decoding batch-invariantly or not."""
   params = jax.tree.map(lambda x: x.astype(dtype) if np.issubdtype(x.dtype, np.floating) else x,
                         model.params)
-  return dataclasses.replace(model, params=params, cfg=model.cfg.replace(dtype=dtype))
+  cfg = model.cfg.replace(dtype=dtype, batch_invariant=batch_invariant,
+                          invariant_tile=model.cfg.invariant_tile if batch_invariant else 0)
+  return dataclasses.replace(model, params=params, cfg=cfg)
+
+
+def _invariant(c: BenchmarkSettings, dtype: str) -> bool:
+  """The run's batch_invariant setting for a model in `dtype` (unset: the precision's default)."""
+  return invariant_lib.resolve(c.batch_invariant, dtype, bool(c.mesh))
 
 
 def _fastest_ar(records: Sequence[dict], meta: dict,
@@ -449,7 +458,8 @@ def _fastest_ar(records: Sequence[dict], meta: dict,
 
 def _settings(c: BenchmarkSettings) -> dict:
   out = report.config_settings(c.flat(), SETTINGS)
-  # unset: records match those written before the setting existed
+  out["batch_invariant"] = _invariant(c, c.dtype)  # as resolved (unset: the precision's default)
+  # off / unset: records match those written before the setting existed
   for key in ("batch_invariant", "invariant_tile", "reference_dtype"):
     if not out[key]:
       del out[key]
@@ -561,13 +571,15 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
   t_work = time.perf_counter()
   for n, unit in enumerate(todo):
     if engine is None:
-      model = model or load_model(c.model, c.dtype, batch_invariant=c.batch_invariant,
+      model = model or load_model(c.model, c.dtype, batch_invariant=_invariant(c, c.dtype),
                                   invariant_tile=c.invariant_tile)
       engine = Engine(model, sampling, int(c.max_new_tokens), int(c.seed),
                       mesh=sharding.mesh_of(c.mesh))
       if reference:
-        reference_model = reference_model or (_cast_model(model, reference) if cast_reference
-                                              else load_model(c.model, reference))
+        ref_inv = _invariant(c, reference)
+        reference_model = reference_model or (
+            _cast_model(model, reference, ref_inv) if cast_reference
+            else load_model(c.model, reference, batch_invariant=ref_inv))
         ref_engine = Engine(reference_model, sampling, int(c.max_new_tokens), int(c.seed),
                             mesh=sharding.mesh_of(c.mesh))
     missing = [m for m in methods if (unit_id(unit), m) not in done]
@@ -617,7 +629,8 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
     missing = uncalibrated(calib, methods, int(c.batch_size))
     if missing and primary:
       model = model or (engine.model if engine else load_model(
-          c.model, c.dtype, batch_invariant=c.batch_invariant, invariant_tile=c.invariant_tile))
+          c.model, c.dtype, batch_invariant=_invariant(c, c.dtype),
+          invariant_tile=c.invariant_tile))
       progress("calibrating: forward cost t_verify(n) and each drafter's proposal cost")
       calib.update(calibrate_lib.calibrate(model, c.drafter, missing, units[0], sampling,
                                            int(c.max_new_tokens), int(c.batch_size)))

@@ -9,6 +9,7 @@ from typing import Optional
 from specjax.errors import ConfigValueError
 from specjax.io import gguf as gguf_io
 from specjax.io import tokenizer as tokenizer_lib
+from specjax.models import invariant as invariant_lib
 from specjax.models.config import MAX_INVARIANT_TILE, ModelConfig
 
 
@@ -23,7 +24,7 @@ class Model:
 
 
 def load_model(name_or_path: str, dtype: Optional[str] = None,
-               tokenizer_from: Optional[str] = None, batch_invariant: bool = False,
+               tokenizer_from: Optional[str] = None, batch_invariant: Optional[bool] = None,
                invariant_tile: int = 0) -> Model:
   """Load a model offline.
 
@@ -35,7 +36,9 @@ def load_model(name_or_path: str, dtype: Optional[str] = None,
       the weights come from an HF directory (specjax reads tokenizers from GGUF
       metadata only).
     batch_invariant: decode-time forwards computed bit for bit independently
-      of the block a row is in (`ModelConfig.batch_invariant`).
+      of the block a row is in (`ModelConfig.batch_invariant`). None: the
+      precision's default (`specjax.models.invariant.default_for`: on for
+      bfloat16 where the CPU kernels run, else off).
     invariant_tile: rows per tile of the batch-invariant forward
       (`ModelConfig.invariant_tile`; 0: the precision's default). Needs
       `batch_invariant`.
@@ -43,6 +46,8 @@ def load_model(name_or_path: str, dtype: Optional[str] = None,
   dtype = dtype or "float32"
   if dtype not in ("float32", "bfloat16"):
     raise ConfigValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+  if batch_invariant is None:
+    batch_invariant = invariant_lib.default_for(dtype)
   if invariant_tile and not batch_invariant:
     raise ConfigValueError(f"invariant_tile={invariant_tile} sizes the batch-invariant forward's "
                            "tiles; it needs batch_invariant=True")

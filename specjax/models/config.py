@@ -39,7 +39,8 @@ class ModelConfig:
   # Decode-time forwards (AR steps, verify blocks, trees) computed so that a
   # row's result is bit for bit independent of the block it is in
   # (`specjax.models.invariant`): greedy speculative decoding then equals
-  # greedy AR token for token. Opt-in; slower.
+  # greedy AR token for token. `io.load.load_model` turns it on by default for
+  # bfloat16 on the CPU (`invariant.default_for`); a bare config keeps it off.
   batch_invariant: bool = False
   # Rows per tile of the batch-invariant forward (0: the precision's default,
   # `specjax.models.invariant.TILES`). Every decode-time forward pads its B x T

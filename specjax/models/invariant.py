@@ -93,6 +93,27 @@ TILES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 5}
 FORMULATION = "s27-inplace-attention"
 
 
+# Precisions whose decode forward is the batch-invariant one by default where the
+# kernels run (`default_for`): session 36 (2-core AVX2 EPYC, the modes
+# interleaved; experiments/results/invariance/cost_s36.md): bfloat16's invariant
+# forward is the faster (AR 43.9 vs 40.1 tok/s, t_verify(5) 0.79x at B = 1,
+# 0.61-0.75x after 512-1,280 tokens); float32's AR was 0.91x the default's (the
+# goal: within 5%), so float32 keeps the default forward.
+DEFAULT_ON = ("bfloat16",)
+
+
+def default_for(dtype, mesh: bool = False) -> bool:
+  """Whether a model loaded in `dtype` decodes batch-invariantly unless told
+  otherwise: the precisions of DEFAULT_ON, where the kernels run (the CPU), off
+  a device mesh (a model axis is out of the invariant forward's scope)."""
+  return jnp.dtype(dtype).name in DEFAULT_ON and not mesh and _kernel()
+
+
+def resolve(setting: Optional[bool], dtype, mesh: bool = False) -> bool:
+  """A run's `batch_invariant` setting: itself when set, else `default_for`."""
+  return default_for(dtype, mesh) if setting is None else bool(setting)
+
+
 def tile_rows(dtype, tile: int = 0) -> int:
   """Rows per tile of the batch-invariant forward for weights of `dtype`:
   `tile` (`ModelConfig.invariant_tile`) when set, else the precision's default."""
@@ -222,15 +243,15 @@ def forward(params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, c
     return q, k, v[:, 0]
 
   def attn_mlp_tile(x, q, vis, row, nv, view, p, ck, cv):
-    # Scores against the caches of the batch rows the tile can hold, read in
-    # place (never copied per query row), each query keeping its own row's: a
-    # slot's score does not depend on where in the product it sits, nor on the
-    # product's width (tests/test_batch_invariant.py)
     if _kernel():  # each query over its view, the visible slots only (kernels.attention)
       src = view[0] if view else jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (tile, s))
       o = kernels.attention(q.astype(ck.dtype).astype(jnp.float32), ck, cv, row, src, vis, nv,
                             scale)
       return mlp(x, o.reshape(tile, hq * dh), nv, p)
+    # Scores against the caches of the batch rows the tile can hold, read in
+    # place (never copied per query row), each query keeping its own row's: a
+    # slot's score does not depend on where in the product it sits, nor on the
+    # product's width (tests/test_batch_invariant.py)
     qg = q.reshape(tile, hkv, g, dh)
     # the tile's rows are consecutive rows of the B x T block: they belong to at
     # most `near` consecutive batch rows, from the first row's on (padding rows

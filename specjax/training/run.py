@@ -39,7 +39,8 @@ def _target(c: TrainSettings) -> Model:
     # answers repeat one token, leaving the heads nothing to learn.
     params["embed"] = params["embed"] * 0.2
     return Model(params=params, cfg=cfg, tokenizer=None, source=TINY)
-  return load_model(c.model, c.dtype)
+  # the default forward: features come from whole sequences (prefill-sized blocks)
+  return load_model(c.model, c.dtype, batch_invariant=False)
 
 
 def _tiny_records(model: Model, c: TrainSettings) -> list:
