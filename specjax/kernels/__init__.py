@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 _SOURCES = tuple(Path(__file__).with_name(n) for n in ("rowdot.cc", "attention.cc"))
+_HEADERS = (Path(__file__).with_name("common.h"),)
 _TARGETS = {"specjax_rowdot": "SpecjaxRowDot", "specjax_attention": "SpecjaxAttention"}
 _FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-mavx2", "-mfma", "-ffp-contract=off")
 # Rows decoding sends to the kernel (a weight chunk stays in the L1 cache while
@@ -89,7 +90,8 @@ def _build() -> Path:
     raise RuntimeError("no C++ compiler (set CXX)")
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
                            check=False).stdout.splitlines()[:1]
-  key = hashlib.sha256("\n".join([*(f.read_text() for f in _SOURCES), " ".join(_FLAGS), *version,
+  key = hashlib.sha256("\n".join([*(f.read_text() for f in _SOURCES + _HEADERS), " ".join(_FLAGS),
+                                  *version,
                                   jaxlib.__version__]).encode()).hexdigest()[:16]
   cache = Path(os.environ.get("SPECJAX_KERNEL_CACHE",
                               Path.home() / ".cache" / "specjax" / "kernels"))

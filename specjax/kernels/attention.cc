@@ -22,42 +22,27 @@
 // result is bit for bit the same in a one-token AR step and in a verify block
 // (tests/test_kernels.py); threads split (row, KV head) pairs, never a sum.
 
-#include <immintrin.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 8;
+using specjax::kLanes;
+using specjax::Load;
+using specjax::Sum;
+using specjax::ToFloat;
+
 // Work (visible slots x query heads x head dim, summed over the units) below
 // which the call runs on the calling thread alone.
 constexpr int64_t kMinParallel = int64_t{1} << 17;
-
-inline __m256 Load(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 Load(const uint16_t* p) {  // 8 bfloat16 -> float32 (exact)
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float ToFloat(float v) { return v; }
-inline float ToFloat(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 // float32 -> the cache's dtype -> float32 (round to nearest even, as XLA's
 // convert; NaN stays NaN).
@@ -71,14 +56,6 @@ inline float Round(float v, uint16_t) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
-}
-
-// Lanes (l0..l7) -> ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-inline float Sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // exp(x) for x <= 0, lane by lane (each lane's result depends on its input
@@ -231,27 +208,14 @@ void Run(ffi::ThreadPool& pool, const float* q, const C* k, const C* v, const in
   std::fill(out + units * s.group * s.head_dim, out + s.rows * s.kv_heads * s.group * s.head_dim,
             0.0f);  // padding rows
   if (units == 0) return;
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto state = std::make_shared<State>();
-  auto work = [=] {
-    std::vector<int64_t> slots;
-    std::vector<float> scores;
-    for (int64_t u; (u = state->next.fetch_add(1, std::memory_order_acq_rel)) < units;) {
-      Unit(q, k, v, row, src, vis, scale, s, u / s.kv_heads, u % s.kv_heads, out, slots, scores);
-      state->done.fetch_add(1, std::memory_order_acq_rel);
-    }
-  };
-  // As rowdot: helpers claim units from a shared counter; this thread waits
-  // only for units already claimed (never for a helper to start).
   const int64_t work_size = units * s.slots * s.group * s.head_dim;
-  const int64_t helpers = work_size < kMinParallel
-                              ? 0
-                              : std::min<int64_t>(pool.num_threads(), units - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule(decltype(work)(work));
-  work();
-  while (state->done.load(std::memory_order_acquire) < units) std::this_thread::yield();
+  const int64_t helpers =
+      work_size < kMinParallel ? 0 : std::min<int64_t>(pool.num_threads(), units - 1);
+  specjax::ParallelFor(pool, units, helpers, [=](int64_t u) {
+    thread_local std::vector<int64_t> slots;
+    thread_local std::vector<float> scores;
+    Unit(q, k, v, row, src, vis, scale, s, u / s.kv_heads, u % s.kv_heads, out, slots, scores);
+  });
 }
 
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,

@@ -15,23 +15,23 @@
 // therefore bit for bit the same in a one-row AR step and in a verify block
 // (tests/test_kernels.py); threads split the output columns, never a sum.
 
-#include <immintrin.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 8;
+using specjax::kLanes;
+using specjax::Load;
+using specjax::Sum;
+using specjax::ToFloat;
+
 constexpr int64_t kMaxGroup = 8;  // rows whose accumulators stay in registers
 // Weight bytes a chunk of weight rows spans when more than one group of rows
 // passes over it (within a 32 KiB L1 data cache, beside the rows of x).
@@ -39,29 +39,6 @@ constexpr int64_t kChunkBytes = 16 << 10;
 // Products smaller than this (weight elements) run on the calling thread alone:
 // handing work to the pool costs more than it saves.
 constexpr int64_t kMinParallel = int64_t{1} << 19;
-
-inline __m256 Load(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 Load(const uint16_t* p) {  // 8 bfloat16 -> float32 (exact)
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline float ToFloat(float v) { return v; }
-inline float ToFloat(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Lanes (l0..l7) -> ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-inline float Sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Rows [r0, r0 + G) of x against weight rows [f, f + FB): G x FB accumulators
 // in registers, each weight vector loaded once for the G rows.
@@ -134,29 +111,14 @@ template <typename W>
 void Run(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t rows,
          int64_t f_dim, int64_t d_dim) {
   // Column blocks, one per thread of the pool (a multiple of 64 columns, so no
-  // cache line of y is shared). Blocks are claimed from a counter by this
-  // thread and by the helpers it schedules; this thread then waits only for
-  // blocks already claimed, which are running. It never waits for a helper to
-  // start: the pool's threads may all be busy (other devices' calls of this
-  // kernel on a host mesh), and a helper that starts late finds no block left
-  // and touches nothing but the shared counters.
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-  };
+  // cache line of y is shared).
   const int64_t workers =
       f_dim * d_dim < kMinParallel ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t per = ((f_dim + workers - 1) / workers + 63) / 64 * 64;
   const int64_t tasks = (f_dim + per - 1) / per;
-  auto state = std::make_shared<State>();
-  auto work = [=] {
-    for (int64_t t; (t = state->next.fetch_add(1, std::memory_order_acq_rel)) < tasks;) {
-      Columns(x, w, y, rows, t * per, std::min(f_dim, (t + 1) * per), d_dim, f_dim);
-      state->done.fetch_add(1, std::memory_order_acq_rel);
-    }
-  };
-  for (int64_t t = 1; t < tasks; ++t) pool.Schedule(decltype(work)(work));  // a copy each
-  work();
-  while (state->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  specjax::ParallelFor(pool, tasks, tasks - 1, [=](int64_t t) {
+    Columns(x, w, y, rows, t * per, std::min(f_dim, (t + 1) * per), d_dim, f_dim);
+  });
 }
 
 ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
