@@ -33,12 +33,8 @@
 
 namespace ffi = xla::ffi;
 
+namespace specjax {
 namespace {
-
-using specjax::kLanes;
-using specjax::Load;
-using specjax::Sum;
-using specjax::ToFloat;
 
 // Work (visible slots x query heads x head dim, summed over the units) below
 // which the call runs on the calling thread alone.
@@ -211,7 +207,7 @@ void Run(ffi::ThreadPool& pool, const float* q, const C* k, const C* v, const in
   const int64_t work_size = units * s.slots * s.group * s.head_dim;
   const int64_t helpers =
       work_size < kMinParallel ? 0 : std::min<int64_t>(pool.num_threads(), units - 1);
-  specjax::ParallelFor(pool, units, helpers, [=](int64_t u) {
+  ParallelFor(pool, units, helpers, [=](int64_t u) {
     thread_local std::vector<int64_t> slots;
     thread_local std::vector<float> scores;
     Unit(q, k, v, row, src, vis, scale, s, u / s.kv_heads, u % s.kv_heads, out, slots, scores);
@@ -239,23 +235,19 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Any
   const Shape s{qd[0], kd[1], kd[0], kd[2], qd[1] / kd[2], qd[2]};
   const int64_t n = std::clamp<int64_t>(valid.typed_data()[0], 0, qd[0]);
   float* o = out->typed_data();
-  if (k.element_type() == ffi::F32) {
-    Run(pool, q.typed_data(), static_cast<const float*>(k.untyped_data()),
-        static_cast<const float*>(v.untyped_data()), row.typed_data(), src.typed_data(),
-        vis.typed_data(), scale, s, n, o);
-  } else if (k.element_type() == ffi::BF16) {
-    Run(pool, q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()),
-        static_cast<const uint16_t*>(v.untyped_data()), row.typed_data(), src.typed_data(),
-        vis.typed_data(), scale, s, n, o);
-  } else {
-    return ffi::Error::InvalidArgument("attention: the cache must be float32 or bfloat16");
-  }
-  return ffi::Error::Success();
+  return ByFloatType(k.element_type(), "attention: the cache must be float32 or bfloat16",
+                              [&](auto tag) {
+                                using C = decltype(tag);
+                                Run(pool, q.typed_data(), static_cast<const C*>(k.untyped_data()),
+                                    static_cast<const C*>(v.untyped_data()), row.typed_data(),
+                                    src.typed_data(), vis.typed_data(), scale, s, n, o);
+                              });
 }
 
 }  // namespace
+}  // namespace specjax
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttention, AttentionImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttention, specjax::AttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

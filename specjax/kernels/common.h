@@ -67,6 +67,20 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t tasks, int64_t helpers, F b
   while (state->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
 }
 
+// f(float{}) or f(uint16_t{}) (bfloat16's bits) by a buffer's element type;
+// another type -> InvalidArgument(`error`).
+template <typename F>
+xla::ffi::Error ByFloatType(xla::ffi::DataType type, const char* error, F f) {
+  if (type == xla::ffi::DataType::F32) {
+    f(float{});
+  } else if (type == xla::ffi::DataType::BF16) {
+    f(uint16_t{});
+  } else {
+    return xla::ffi::Error::InvalidArgument(error);
+  }
+  return xla::ffi::Error::Success();
+}
+
 }  // namespace specjax
 
 #endif  // SPECJAX_KERNELS_COMMON_H_

@@ -25,12 +25,8 @@
 
 namespace ffi = xla::ffi;
 
+namespace specjax {
 namespace {
-
-using specjax::kLanes;
-using specjax::Load;
-using specjax::Sum;
-using specjax::ToFloat;
 
 constexpr int64_t kMaxGroup = 8;  // rows whose accumulators stay in registers
 // Weight bytes a chunk of weight rows spans when more than one group of rows
@@ -116,7 +112,7 @@ void Run(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t ro
       f_dim * d_dim < kMinParallel ? 1 : std::max<int64_t>(1, pool.num_threads());
   const int64_t per = ((f_dim + workers - 1) / workers + 63) / 64 * 64;
   const int64_t tasks = (f_dim + per - 1) / per;
-  specjax::ParallelFor(pool, tasks, tasks - 1, [=](int64_t t) {
+  ParallelFor(pool, tasks, tasks - 1, [=](int64_t t) {
     Columns(x, w, y, rows, t * per, std::min(f_dim, (t + 1) * per), d_dim, f_dim);
   });
 }
@@ -135,20 +131,18 @@ ffi::Error RowDotImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuf
   float* out = y->typed_data();
   if (rows < xd[0]) std::memset(out + rows * f_dim, 0, (xd[0] - rows) * f_dim * sizeof(float));
   if (rows == 0) return ffi::Error::Success();
-  if (w.element_type() == ffi::F32) {
-    Run(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), out, rows, f_dim, d_dim);
-  } else if (w.element_type() == ffi::BF16) {
-    Run(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), out, rows, f_dim,
-        d_dim);
-  } else {
-    return ffi::Error::InvalidArgument("rowdot: weights must be float32 or bfloat16");
-  }
-  return ffi::Error::Success();
+  return ByFloatType(w.element_type(), "rowdot: weights must be float32 or bfloat16",
+                              [&](auto tag) {
+                                using W = decltype(tag);
+                                Run(pool, x.typed_data(), static_cast<const W*>(w.untyped_data()),
+                                    out, rows, f_dim, d_dim);
+                              });
 }
 
 }  // namespace
+}  // namespace specjax
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowDot, RowDotImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxRowDot, specjax::RowDotImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
