@@ -89,7 +89,8 @@ TILES = {jnp.dtype(jnp.float32): 8, jnp.dtype(jnp.bfloat16): 5}
 # so a logged identity run) belong to it. Session 27: attention reads the cache
 # in place, weights x values in fixed chunks, bfloat16 tiles of 5 rows (before:
 # a per-query copy of the cache, bfloat16 tiles of 16). `formulation()` appends
-# "+rowdot" where the kernels run (session 36: the matmuls and the attention).
+# "+kernels" where specjax's kernels run (session 36: rowdot for the matmuls,
+# kernels.attention for the attention).
 FORMULATION = "s27-inplace-attention"
 
 
@@ -142,13 +143,14 @@ def _tiled(f, *xs):
 
 
 def _kernel() -> bool:
-  """Whether the matmuls take `kernels.rowdot` (the CPU backend, the kernel built)."""
+  """Whether the matmuls and the attention take `specjax.kernels` (the CPU backend,
+  the kernels built)."""
   return jax.default_backend() == "cpu" and kernels.available()
 
 
 def formulation() -> str:
   """Which formulation of the invariant forward runs here (see FORMULATION)."""
-  return FORMULATION + ("+rowdot" if _kernel() else "")
+  return FORMULATION + ("+kernels" if _kernel() else "")
 
 
 def dot(x: jax.Array, w: jax.Array, valid: Optional[jax.Array] = None) -> jax.Array:
