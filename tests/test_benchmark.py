@@ -364,8 +364,9 @@ def test_reference_precision_ar_measured_beside_and_the_table_over_the_fastest(
     specbench.run_benchmark(dataclasses.replace(sub, dtype="bfloat16", reference_dtype="float32",
                                                 out=str(tmp_path / "up")), model=ref_model)
   # without reference_model, the given model itself is cast (not c.model reloaded)
-  cast = specbench._cast_model(smollm2_short, "bfloat16")  # pylint: disable=protected-access
+  cast = specbench._cast_model(smollm2_short, "bfloat16", True)  # pylint: disable=protected-access
   assert cast.cfg.num_layers == smollm2_short.cfg.num_layers and cast.cfg.dtype == "bfloat16"
+  assert cast.cfg.batch_invariant  # as the run resolves it for the reference's precision
   import jax  # pylint: disable=import-outside-toplevel
   assert all(bool((a == b).all()) for a, b in zip(jax.tree.leaves(cast.params),
                                                   jax.tree.leaves(ref_model.params)))
