@@ -29,7 +29,7 @@ import pytest
 from specjax import kernels
 from specjax.analysis import bitwise
 from specjax.analysis.bitwise import RAGGED, chain_mismatches, tree_mismatches
-from specjax.models import transformer
+from specjax.models import invariant, transformer
 from specjax.models.config import ModelConfig
 
 pytestmark = pytest.mark.slow  # ~100 programs of SmolLM2-sized layers
@@ -95,19 +95,23 @@ def current_platform() -> dict:
   simd = sorted(f for f in kernels.cpu_flags() if f.startswith(("avx", "sse4", "fma", "amx")))
   import jaxlib  # pylint: disable=import-outside-toplevel
   return {"jaxlib": jaxlib.__version__, "machine": platform.machine(),
-          "backend": jax.default_backend(), "cpu_simd_flags": simd}
+          "backend": jax.default_backend(), "formulation": invariant.formulation(),
+          "cpu_simd_flags": simd}
 
 
 def test_platform_is_the_one_the_guarantee_was_established_on():
   """Bitwise batch invariance is a property of the compiled kernels: it was
   established (the tests above) on the platforms recorded in
-  batch_invariant_platform.json, each with the session that checked it.
+  batch_invariant_platform.json, each with the invariant forward's
+  formulation (`invariant.formulation()`: with or without specjax's CPU
+  kernels) and the session that checked it.
   Another jaxlib or CPU may lower the same program differently; the tests
   above then say whether it still holds, and this test says loudly that the
   ground moved."""
   with open(PLATFORM_FILE) as f:
     recorded = json.load(f)["established_on"]
-  assert recorded and all(set(r) >= {"jaxlib", "backend", "cpu_simd_flags", "session"}
+  assert recorded and all(set(r) >= {"jaxlib", "backend", "formulation", "cpu_simd_flags",
+                                     "session"}
                           for r in recorded)
   now = current_platform()
   if not any(all(r.get(k) == v for k, v in now.items()) for r in recorded):
