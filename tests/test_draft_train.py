@@ -83,6 +83,7 @@ def test_tiny_distillation_lowers_the_divergence_and_exports(trained, tiny_targe
   assert params["vocab_rank"].shape == (tiny_target.cfg.vocab_size,)
   assert ("vocab" in params) == (variant == "tiny_reduced")
   assert 1.0 <= out["estimate"]["tau"] <= 1 + c.eval_k
+  assert 1.0 <= out["estimate"]["tau_rounds"] <= 1 + c.eval_k
 
 
 def test_killed_run_resumes_to_identical_parameters(trained, load_config):

@@ -71,6 +71,7 @@ def test_tiny_training_lowers_the_loss_and_exports(trained, tiny_target, name):
   accs = [h["acc0"] for h in hist if "acc0" in h]
   assert accs[-1] > accs[0], accs
   assert out["estimate"]["tau"] >= 1.0 and 1.0 <= out["estimate"]["tau_t1"] <= 1 + c.eval_k
+  assert 1.0 <= out["estimate"]["tau_rounds"] <= 1 + c.eval_k
   params, card = _load(trained, name, tiny_target)
   assert card["method"] == _method(name) and card["best_step"] == out["best_step"]
   assert ("fuse" in params) == (_method(name) == "eagle3")

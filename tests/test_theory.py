@@ -43,6 +43,23 @@ def test_best_chain_length_follows_the_cost_curve():
   assert theory.best_chain_length(hist, k, sparse, t_draft=0.1 * k)[2] == pytest.approx(brute)
 
 
+def test_greedy_rounds_walks_the_sequence_as_decoding_does():
+  k = 4
+  assert theory.greedy_rounds(np.ones((10, k), bool)) == (10, 2)  # two rounds of k + 1
+  assert theory.greedy_rounds(np.zeros((7, k), bool)) == (7, 7)  # one token a round
+  # an easy stretch then a hard one: decoding crosses the first in 2 rounds and
+  # spends 10 on the second, so its tau (20 / 12) is well below the mean over starts (3)
+  mixed = np.concatenate([np.ones((10, k), bool), np.zeros((10, k), bool)])
+  assert theory.greedy_rounds(mixed) == (20, 12)
+  assert 1 + np.cumprod(mixed, 1).sum(1).mean() == 3.0
+  # a round accepts the leading run only: start 0 accepts 2 (its 3rd guess is wrong),
+  # the next round starts at 3; start 1's perfect chain is never a round
+  c = np.array([[1, 1, 0, 1], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 1], [0, 1, 1, 1]], bool)
+  assert theory.greedy_rounds(c) == (3 + 2, 2)
+  with pytest.raises(ValueError, match="starts, k"):
+    theory.greedy_rounds(np.ones(5, bool))
+
+
 def test_leviathan_improvement_factor():
   # Theorem 3.8 at c = 0 is the expected tokens; the optimum moves down as c grows.
   assert float(theory.leviathan_speedup(0.8, 4, 0.0)) == pytest.approx(

@@ -72,6 +72,32 @@ def chain_tokens_from_histogram(accept_hist: Sequence[int], k: int) -> float:
   return float(1 + tail[1:k + 1].sum())
 
 
+def greedy_rounds(correct) -> Tuple[int, int]:
+  """Tokens and rounds of greedy k-chain decoding along one sequence, from its
+  teacher-forced agreement: `correct` (n, k), row i the chain started at the
+  sequence's i-th position (every start where a whole chain fits, in order),
+  column s whether its (s + 1)-th guess equals the target's greedy token.
+
+  Decoding does not start a chain at every position: a round accepts the
+  leading run of n correct guesses, emits n + 1 tokens (the bonus or the
+  correction included) and the next round starts right after them. tokens /
+  rounds is the tau a greedy benchmark measures on that text; the mean over
+  every start (`1 + mean cumprod sum`) weights long easy stretches, which
+  decoding crosses in few rounds, as much as hard ones, where it spends many.
+  Exact for greedy decoding of text that is the target's own greedy output
+  (self-distilled greedy answers), whose prefixes teacher forcing reproduces."""
+  c = np.asarray(correct, bool)
+  if c.ndim != 2:
+    raise ValueError(f"correct must be (starts, k), got shape {c.shape}")
+  run = np.cumprod(c, axis=1).sum(1)
+  i = tokens = rounds = 0
+  while i < len(run):
+    tokens += int(run[i]) + 1
+    rounds += 1
+    i += int(run[i]) + 1
+  return tokens, rounds
+
+
 def best_chain_length(accept_hist: Sequence[int], k_run: int, t_verify: Mapping[int, float],
                       t_draft: float) -> Tuple[int, float, dict]:
   """The cost-optimal draft length k' <= k_run for a chain drafter measured at

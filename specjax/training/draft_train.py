@@ -36,6 +36,8 @@ and sum_x min(p, q) at T = 1, both teacher-forced; the implied tau of a
 k-chain is 1 + mean_c sum_m prod_{s<m} (agreement at c + s). For the target's
 own greedy answers this is exactly what greedy drafting sees while it keeps
 being accepted; elsewhere it is the usual teacher-forced approximation.
+tau_rounds walks each answer as greedy decoding does (`theory.greedy_rounds`):
+tokens / rounds, what a greedy benchmark measures on that text.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.analysis import theory
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
 from specjax.models.config import ModelConfig
@@ -228,7 +231,7 @@ def estimate(student, target_params, cfg: ModelConfig, scfg: ModelConfig, pool, 
   if max_seqs:
     order = order[:max_seqs] if len(order) <= max_seqs else order[
         np.linspace(0, len(order) - 1, max_seqs).astype(int)]
-  corr, over = [], []
+  corr, over, walks = [], [], []
   for s in range(0, len(order), batch_seqs):
     real = len(order[s:s + batch_seqs])
     # the full teacher distribution (validation never uses the stored top-K)
@@ -240,15 +243,18 @@ def estimate(student, target_params, cfg: ModelConfig, scfg: ModelConfig, pool, 
     ans = np.asarray(b["answer"])[:real] > 0
     for r in range(real):
       pos = np.nonzero(ans[r])[0]
-      for st in range(0, len(pos) - k + 1):
-        chain = pos[st:st + k]
+      chains = [pos[st:st + k] for st in range(0, len(pos) - k + 1)]
+      for chain in chains:
         corr.append(c[r, chain])
         over.append(o[r, chain])
+      if chains:  # the greedy decoding walk over this answer (theory.greedy_rounds)
+        walks.append(theory.greedy_rounds(c[r, np.stack(chains)] > 0))
   if not corr:
-    return {"tau": 1.0, "tau_t1": 1.0}
+    return {"tau": 1.0, "tau_t1": 1.0, "tau_rounds": 1.0}
   corr, over = np.asarray(corr), np.asarray(over)
   out = {"tau": float(1 + np.cumprod(corr, 1).sum(1).mean()),
          "tau_t1": float(1 + np.cumprod(over, 1).sum(1).mean()),
+         "tau_rounds": float(sum(w[0] for w in walks) / sum(w[1] for w in walks)),
          "top1": float(corr[:, 0].mean()), "alpha": float(over[:, 0].mean()),
          "chains": float(len(corr))}
   return out

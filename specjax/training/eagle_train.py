@@ -29,7 +29,10 @@ Cheap acceptance estimate (validation windows): unroll k steps; per chain
 start c and step s, greedy agreement (argmax q == argmax p) and
 sum_x min(p, q) at T = 1; tau_greedy = 1 + mean_c sum_m prod_{s<m} correct,
 tau_t1 = 1 + mean_c sum_m prod_{s<m} overlap, the implied expected tokens
-per round of a k-chain.
+per round of a k-chain. tau_rounds walks each sequence as greedy decoding
+does (a round starts where the last one's tokens end:
+`theory.greedy_rounds`), tokens / rounds: what a greedy benchmark measures on
+that text, below tau where acceptance varies along it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.analysis import theory
 from specjax.drafters import eagle
 from specjax.models import cache as cache_lib
 from specjax.models import transformer
@@ -435,8 +439,9 @@ def _eval_batch(head, target_params, cfg, batch, vocab, steps):
   return jnp.stack(correct, -1), jnp.stack(overlap, -1)  # (B, T, steps)
 
 
-def _estimate_group(head, target_params, cfg, windows, k, vocab, batch_size, corr, over):
-  """Append the per-chain agreement / overlap of `windows` (one width)."""
+def _estimate_group(head, target_params, cfg, windows, k, vocab, batch_size, corr, over, walks):
+  """Append the per-chain agreement / overlap of `windows` (one width), and
+  each window's greedy decoding walk (tokens, rounds: `theory.greedy_rounds`)."""
   for s in range(0, len(windows), batch_size):
     chunk = list(windows[s:s + batch_size])
     real = len(chunk)
@@ -451,22 +456,27 @@ def _estimate_group(head, target_params, cfg, windows, k, vocab, batch_size, cor
       rows = ans[:, i:i + k].all(1)
       corr += c[rows][:, i + steps, steps].tolist()
       over += o[rows][:, i + steps, steps].tolist()
+    for r in range(real):
+      starts = [i for i in range(t - k + 1) if ans[r, i:i + k].all()]
+      if starts:
+        walks.append(theory.greedy_rounds(c[r][np.asarray(starts)[:, None] + steps, steps]))
 
 
 def estimate(head, target_params, cfg, windows: Sequence[dict], k: int, vocab=None,
              batch_size: int = 8) -> Dict[str, float]:
   """Teacher-forced acceptance of a k-chain (module docstring) over `windows`."""
-  corr, over = [], []
+  corr, over, walks = [], [], []
   groups: Dict[int, List[dict]] = {}
   for w in windows:  # windows of one width are evaluated together
     groups.setdefault(len(w["tokens"]), []).append(w)
   for _, group in sorted(groups.items()):
-    _estimate_group(head, target_params, cfg, group, k, vocab, batch_size, corr, over)
+    _estimate_group(head, target_params, cfg, group, k, vocab, batch_size, corr, over, walks)
   if not corr:
-    return {"tau": 1.0, "tau_t1": 1.0}
+    return {"tau": 1.0, "tau_t1": 1.0, "tau_rounds": 1.0}
   corr, over = np.asarray(corr, np.float64), np.asarray(over, np.float64)
   out = {"tau": float(1 + np.cumprod(corr, 1).sum(1).mean()),
-         "tau_t1": float(1 + np.cumprod(over, 1).sum(1).mean())}
+         "tau_t1": float(1 + np.cumprod(over, 1).sum(1).mean()),
+         "tau_rounds": float(sum(w[0] for w in walks) / sum(w[1] for w in walks))}
   for s in range(k):
     out[f"top1_{s}"] = float(corr[:, s].mean())
     out[f"alpha_{s}"] = float(over[:, s].mean())
