@@ -132,7 +132,8 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
            "best_step": out["best_step"], "early_stopped": out["early_stopped"],
            # the answer positions trained on (the prefix, + any reference answers)
            "train_positions": out["train_positions"],
-           "valid_tau": est["tau"], "train_tau": out["train_estimate"]["tau"],
+           "valid_tau": est["tau"], "valid_tau_rounds": est.get("tau_rounds"),
+           "train_tau": out["train_estimate"]["tau"],
            **{f"top1_{s}": est[f"top1_{s}"] for s in range(c.eval_k)},
            "bench": {r["category"]: {"tau": r["tau"], "alpha": r["alpha"]} for r in rows}}
     row["bench_tau"] = row["bench"].get(specbench.ALL, {}).get("tau")
@@ -148,12 +149,15 @@ def report(c: ScalingSettings) -> dict:
   rows = sorted(jsonl.read(log) if os.path.exists(log) else [],
                 key=lambda r: (r["positions"], r["seed"]))
   cats = sorted({k for r in rows for k in r["bench"]} - {specbench.ALL})
-  head = (["positions", "seed", "steps (best)", "valid tau (est.)", "train tau (est.)"] +
+  head = (["positions", "seed", "steps (best)", "valid tau (est.)", "valid tau (rounds)",
+           "train tau (est.)"] +
           [f"top1 d{s + 1}" for s in range(c.eval_k)] + ["Spec-Bench tau"] + cats)
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     cells = [f"{r['positions']:,}", str(r["seed"]), f"{r['steps']} ({r['best_step']})",
-             f"{r['valid_tau']:.3f}", f"{r['train_tau']:.3f}"]
+             f"{r['valid_tau']:.3f}",
+             f"{r['valid_tau_rounds']:.3f}" if r.get("valid_tau_rounds") else "-",
+             f"{r['train_tau']:.3f}"]
     cells += [f"{r[f'top1_{s}']:.3f}" for s in range(c.eval_k)]
     cells += [f"{r['bench_tau']:.3f}" if r.get("bench_tau") else "-"]
     cells += [f"{r['bench'][k]['tau']:.3f}" if k in r["bench"] else "-" for k in cats]
