@@ -63,6 +63,28 @@ def test_greedy_is_identical_to_ar_for_every_drafter(target, draft, reference):
     assert not res.lossy
 
 
+def test_shared_prompt_forwards_change_nothing(target, draft, reference):
+  """AR and every drafter on one PromptForwards: the same tokens, each distinct
+  prompt forward run once (its cache copied per run: the loops consume theirs),
+  another params object never served an entry of the first."""
+  forwards = ar.PromptForwards()
+  assert ar.generate(target, CFG, PROMPTS, max_new_tokens=NEW,
+                     prompt_forwards=forwards).tokens == reference
+  runs = drafters(target, draft, reference)
+  for drafter, dparams in runs + runs[:1]:  # the first again: its entry served twice
+    res = sp.generate(target, CFG, drafter, PROMPTS, draft_params=dparams, max_new_tokens=NEW,
+                      prompt_forwards=forwards)
+    assert res.tokens == reference, drafter.name
+  slots = {ar.prepare(CFG, PROMPTS, NEW, b)[-1] for b in
+           [1] + [max(d.k + 1, d.block) for d, _ in runs]}
+  assert forwards.computed == len(slots) and forwards.computed + forwards.reused == len(runs) + 2
+  other = jax.tree.map(lambda x: x * 1.0, target)  # equal values, another object
+  before = forwards.computed
+  assert ar.generate(other, CFG, PROMPTS, max_new_tokens=NEW,
+                     prompt_forwards=forwards).tokens == reference
+  assert forwards.computed == before + 1
+
+
 def test_acceptance_metrics(target, draft, reference):
   self_draft = sp.generate(target, CFG, DraftModel(k=2, cfg=CFG), PROMPTS, draft_params=target,
                            max_new_tokens=NEW)

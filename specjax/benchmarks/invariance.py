@@ -369,14 +369,17 @@ def identity(c: InvarianceSettings, progress: Callable[[str], None],
         model = model or load_model(c.model, dtype, batch_invariant=inv,
                                     invariant_tile=c.identity_tile if inv else 0)
         prompts = [model.tokenizer.encode_prompt(q.turns[0]) for q in unit]
-        ref = ar.generate(model.params, model.cfg, prompts,
-                          max_new_tokens=c.max_new_tokens).tokens
+        # one prompt forward per distinct (cache size, hidden layers), shared
+        # by AR and every method: long prompts' prefill dominated a unit
+        forwards = ar.PromptForwards()
+        ref = ar.generate(model.params, model.cfg, prompts, max_new_tokens=c.max_new_tokens,
+                          prompt_forwards=forwards).tokens
         for m in todo:
           drafter, dparams = registry.make_drafter(
               m, c.drafter, model, sampling=sampling_lib.GREEDY, reference=ref,
               reference_width=c.max_new_tokens)
           got = sp.generate(model.params, model.cfg, drafter, prompts, draft_params=dparams,
-                            max_new_tokens=c.max_new_tokens).tokens
+                            max_new_tokens=c.max_new_tokens, prompt_forwards=forwards).tokens
           rec = {"settings": settings, "dtype": dtype, "batch_invariant": inv, "method": m,
                  "question_ids": ids, "identical": [a == b for a, b in zip(ref, got)],
                  "first_divergence": [report.first_divergence(a, b)

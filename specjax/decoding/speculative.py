@@ -159,14 +159,16 @@ def _cut(block, n_block, remaining, eos_id):
 
 
 def prefill(params, cfg: ModelConfig, drafter: Drafter, draft_params, keys, prompt_tokens,
-            prompt_lengths, limit, *, num_slots: int, spec: SpecConfig, max_new_tokens: int):
+            prompt_lengths, limit, *, num_slots: int, spec: SpecConfig, max_new_tokens: int,
+            prompt_forwards: Optional[ar.PromptForwards] = None):
   """Target prefill + first token (`autoregressive.prefill`: the prompt forward
   is one program for every drafter and sampling setting with the same shapes
-  and hidden layers), then the drafter's init. Returns the initial SpecState."""
+  and hidden layers; `prompt_forwards` shares its result with other runs of
+  the same prompts), then the drafter's init. Returns the initial SpecState."""
   hidden_layers = tuple(drafter.layers_for(cfg)) if drafter.needs_prefill_hidden else None
   out = ar.prefill(params, cfg, keys, prompt_tokens, prompt_lengths, limit, num_slots=num_slots,
                    sampling=spec.sampling, max_new_tokens=max_new_tokens,
-                   hidden_layers=hidden_layers)
+                   hidden_layers=hidden_layers, prompt_forwards=prompt_forwards)
   base, hidden = out if hidden_layers is not None else (out, None)
   return _start_state(params, cfg, drafter, draft_params, prompt_tokens, prompt_lengths, base,
                       hidden, num_slots=num_slots)
@@ -422,7 +424,8 @@ def _summarize(state: SpecState) -> dict:
 def start(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
           draft_params=None, key=0, spec: SpecConfig = SpecConfig(), max_new_tokens=64,
           request_ids=None, cache_slots: Optional[int] = None, mesh=None,
-          width: Optional[int] = None) -> SpecState:
+          width: Optional[int] = None,
+          prompt_forwards: Optional[ar.PromptForwards] = None) -> SpecState:
   """Check the drafter, pad the prompts, derive per-request keys and prefill:
   the state `decode` starts from (also what calibration measures proposals on).
   With a `mesh`, params, inputs and the returned state are placed on it
@@ -440,7 +443,7 @@ def start(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence
     draft_params = sharding.place_params(draft_params, mesh)
     inputs = sharding.place_batch(inputs, len(prompts), mesh)
   state = prefill(params, cfg, drafter, draft_params, *inputs, num_slots=num_slots, spec=spec,
-                  max_new_tokens=width)
+                  max_new_tokens=width, prompt_forwards=prompt_forwards)
   if mesh is not None:  # the loop state as the loop will carry it
     state = sharding.place_batch(state, len(prompts), mesh)
   return state
@@ -449,10 +452,12 @@ def start(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence
 def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Sequence[int]], *,
              draft_params=None, key=0, spec: SpecConfig = SpecConfig(), max_new_tokens=64,
              request_ids=None, cache_slots: Optional[int] = None, mesh=None,
-             width: Optional[int] = None) -> SpecResult:
+             width: Optional[int] = None,
+             prompt_forwards: Optional[ar.PromptForwards] = None) -> SpecResult:
   """Speculative generation for token-id prompts (ragged lengths allowed).
 
-  The same arguments as `autoregressive.generate` (`width` included), plus the
+  The same arguments as `autoregressive.generate` (`width` and
+  `prompt_forwards` included), plus the
   drafter, its params and the SpecConfig (target sampling settings and
   acceptance rule).
   Raises NonFiniteLogitsError as `autoregressive.generate` does.
@@ -466,7 +471,7 @@ def generate(params, cfg: ModelConfig, drafter: Drafter, prompts: Sequence[Seque
   t0 = time.perf_counter()
   state = start(params, cfg, drafter, prompts, draft_params=draft_params, key=key, spec=spec,
                 max_new_tokens=max_new_tokens, request_ids=request_ids, cache_slots=cache_slots,
-                mesh=mesh, width=width)
+                mesh=mesh, width=width, prompt_forwards=prompt_forwards)
   num_slots = state.cache.num_slots
   state.num_tokens.block_until_ready()
   t1 = time.perf_counter()
