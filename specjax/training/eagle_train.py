@@ -452,14 +452,17 @@ def _estimate_group(head, target_params, cfg, windows, k, vocab, batch_size, cor
     ans = np.stack([w["answer"] for w in chunk[:real]])
     t = ans.shape[1]
     steps = np.arange(k)
+    if t < k:  # no whole chain fits a window this narrow
+      continue
+    # fits[b, i]: a whole chain started at window index i lies in row b's answer
+    fits = np.stack([ans[:, i:i + k].all(1) for i in range(t - k + 1)], 1)
     for i in range(t - k + 1):  # the chain started at window index i: step s sits at i + s
-      rows = ans[:, i:i + k].all(1)
-      corr += c[rows][:, i + steps, steps].tolist()
-      over += o[rows][:, i + steps, steps].tolist()
+      corr += c[fits[:, i]][:, i + steps, steps].tolist()
+      over += o[fits[:, i]][:, i + steps, steps].tolist()
     for r in range(real):
-      starts = [i for i in range(t - k + 1) if ans[r, i:i + k].all()]
-      if starts:
-        walks.append(theory.greedy_rounds(c[r][np.asarray(starts)[:, None] + steps, steps]))
+      starts = np.nonzero(fits[r])[0]
+      if len(starts):
+        walks.append(theory.greedy_rounds(c[r][starts[:, None] + steps, steps]))
 
 
 def estimate(head, target_params, cfg, windows: Sequence[dict], k: int, vocab=None,
