@@ -1,8 +1,10 @@
 """Self-distillation answer throughput: static batches vs continuous batching,
-float32 vs bfloat16, on the training prompts (specjax.benchmarks.datagen).
+float32 vs bfloat16, and the peers (HF transformers, llama.cpp) on the same
+GGUF file, on the training prompts (specjax.benchmarks.datagen).
 
   python experiments/datagen.py --config=configs/datagen.py
   python experiments/datagen.py --config=configs/datagen.py:quick
+  python experiments/datagen.py --config=configs/datagen.py --config.ways=static,continuous,hf,llamacpp
 """
 
 import importlib.util
@@ -22,7 +24,8 @@ def get_config(arg=None):
   c = ml_collections.ConfigDict()
   # The run's fields, one default each: specjax.benchmarks.datagen.DatagenSettings
   # (model, sources, num_prompts, max_prompt_tokens, max_new_tokens, batch_size,
-  # dtypes, ways, repeats, seed, out).
+  # dtypes, ways, hf_dtype, repeats, seed, out). ways: of static, continuous
+  # (specjax, in each of dtypes), hf (the `peers` extra), llamacpp (optional).
   common.settings_fields(c, datagen.DatagenSettings)
   if arg == "quick":
     c.num_prompts, c.max_new_tokens, c.batch_size, c.repeats = 16, 64, 8, 1

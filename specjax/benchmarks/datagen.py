@@ -4,17 +4,28 @@ Bulk answer generation (`specjax.training.distill_data`) is throughput-bound:
 what matters is answer tokens per second over a realistic mix of prompts and
 answer lengths, not the latency of one request. This benchmark answers the
 same prompts (the training sources, decontaminated) with each way and reports
-tokens/s of each, measured in one run and interleaved (way A, way B, way A,
-...), so that the ratios compare like with like:
+tokens/s of each, measured in one run and interleaved (every way once, then
+every way again, ...), so that the ratios compare like with like:
 
-  static      autoregressive.generate on batches of `batch_size` prompts
-              sorted by length: a batch runs until its longest answer ends
-  continuous  specjax.decoding.continuous, one run per prompt-length bucket
-              (its cache sized for the bucket): `batch_size` rows, a
+  static      specjax: autoregressive.generate on batches of `batch_size`
+              prompts sorted by length: a batch runs until its longest answer
+              ends
+  continuous  specjax: specjax.decoding.continuous, one run per prompt-length
+              bucket (its cache sized for the bucket): `batch_size` rows, a
               finished row takes the next prompt
+  hf          HF transformers (PyTorch CPU, the `peers` extra) on the same
+              GGUF file, dequantized to `hf_dtype`: `generate` on the same
+              static batches (left-padded)
+  llamacpp    llama.cpp (llama-cpp-python, the optional `llamacpp` extra) on
+              the GGUF's own quantized tensors, one prompt at a time (its
+              Python API decodes one sequence), in a process of its own
 
-each in float32 and bfloat16. Greedy answers; the first pass of each way
-compiles and is not timed.
+specjax's ways run in each of `dtypes`, the peers once. Greedy answers. The
+first pass of each specjax way compiles every shape it meets and is not
+timed; a peer warms up on its first batch. Each row also counts the answers
+equal, token for token, to the first way's: the data a way writes is the
+target's only where they agree (llama.cpp's quantized arithmetic is not
+specjax's float32 dequantized forward).
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ from specjax.io.load import load_model
 from specjax.settings import RunSettings, require
 from specjax.training import distill_data
 
-WAYS = ("static", "continuous")
+WAYS = ("static", "continuous", "hf", "llamacpp")
+PEER_WAYS = ("hf", "llamacpp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,35 +57,55 @@ class DatagenSettings(RunSettings):
   max_prompt_tokens: int = 512
   max_new_tokens: int = 256
   batch_size: int = 16
-  dtypes: str = "float32,bfloat16"
+  dtypes: str = "float32,bfloat16"  # specjax's ways run in each
   ways: str = "static,continuous"  # of WAYS
+  hf_dtype: str = "float32"  # torch dtype of the `hf` way
   repeats: int = 2
   seed: int = 0
   out: str = ""  # a folder for results.json / results.md (optional)
 
 
-def _static(model, prompts: Sequence[List[int]], batch_size: int, max_new_tokens: int):
-  order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-  tokens = 0
+def _by_length(prompts: Sequence[List[int]]) -> List[int]:
+  return sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+
+
+def _static(model, prompts: Sequence[List[int]], batch_size: int, max_new_tokens: int,
+            limit: Optional[int] = None) -> Dict[int, List[int]]:
+  order = _by_length(prompts)[:limit]
+  answers = {}
   for i in range(0, len(order), batch_size):
-    chunk = [prompts[j] for j in order[i:i + batch_size]]
-    res = ar.generate(model.params, model.cfg, chunk, sampling=sampling_lib.GREEDY,
-                      max_new_tokens=max_new_tokens, request_ids=order[i:i + batch_size])
-    tokens += res.num_new_tokens
-  return tokens
+    ids = order[i:i + batch_size]
+    res = ar.generate(model.params, model.cfg, [prompts[j] for j in ids],
+                      sampling=sampling_lib.GREEDY, max_new_tokens=max_new_tokens,
+                      request_ids=ids)
+    answers.update(zip(ids, (list(t) for t in res.tokens)))
+  return answers
 
 
 def _continuous(model, prompts: Sequence[List[int]], batch_size: int, max_new_tokens: int,
-                max_prompt_tokens: int):
-  order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-  tokens = 0
-  for _, answer in continuous.generate_bucketed(model.params, model.cfg,
-                                                ((i, prompts[i]) for i in order),
-                                                batch_size=batch_size,
-                                                max_new_tokens=max_new_tokens,
-                                                max_prompt_tokens=max_prompt_tokens):
-    tokens += len(answer)
-  return tokens
+                max_prompt_tokens: int) -> Dict[int, List[int]]:
+  requests = ((i, prompts[i]) for i in _by_length(prompts))
+  return {i: list(answer) for i, answer in continuous.generate_bucketed(
+      model.params, model.cfg, requests, batch_size=batch_size,
+      max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens)}
+
+
+def _hf(hf_model, eos_id: int, prompts: Sequence[List[int]], batch_size: int,
+        max_new_tokens: int, limit: Optional[int] = None) -> Dict[int, List[int]]:
+  from specjax.peers import hf  # pylint: disable=import-outside-toplevel
+  order = _by_length(prompts)[:limit]
+  answers = {}
+  for i in range(0, len(order), batch_size):
+    ids = order[i:i + batch_size]
+    answers.update(zip(ids, hf.hf_batch_generate(hf_model, [prompts[j] for j in ids],
+                                                 max_new_tokens, eos_ids=[eos_id])))
+  return answers
+
+
+def _llamacpp(llm, eos_id: int, prompts: Sequence[List[int]], max_new_tokens: int,
+              limit: Optional[int] = None) -> Dict[int, List[int]]:
+  return {i: list(llm.greedy_generate(prompts[i], max_new_tokens, eos_ids=[eos_id]).tokens)
+          for i in _by_length(prompts)[:limit]}
 
 
 def run(c: DatagenSettings, progress: Optional[Callable[[str], None]] = None) -> Dict:
@@ -87,48 +119,93 @@ def run(c: DatagenSettings, progress: Optional[Callable[[str], None]] = None) ->
   for w in ways:
     if w not in WAYS:
       raise ValueError(f"unknown way {w!r}; available: {', '.join(WAYS)}")
+  if not any(w not in PEER_WAYS for w in ways) or not dtypes:
+    raise ValueError(f"ways={c.ways!r}, dtypes={c.dtypes!r}: at least one specjax way "
+                     f"(static, continuous) in at least one dtype")
+  if "hf" in ways:
+    from specjax.peers import hf  # pylint: disable=import-outside-toplevel
+    if not hf.available():
+      raise ImportError(f"the 'hf' way needs the optional 'peers' extra: {hf.EXTRA_HINT}")
+  if "llamacpp" in ways:
+    from specjax.peers import llamacpp  # pylint: disable=import-outside-toplevel
+    if not llamacpp.available():
+      raise ImportError(f"the 'llamacpp' way needs llama-cpp-python: {llamacpp.EXTRA_HINT}")
   examples = distill_data.interleave(sources, distill_data.load_instructions(sources),
                                      10 * c.num_prompts, c.seed)
-  rows = []
+  # the default forward: generation runs large batches (its GEMM is the faster
+  # there) and its bits need not match any other run's
+  models = {d: load_model(c.model, dtype=d, batch_invariant=False) for d in dtypes}
+  first = models[dtypes[0]]
+  prompts = [p for p in (first.tokenizer.encode_prompt(t) for _, t in examples)
+             if len(p) <= c.max_prompt_tokens][:c.num_prompts]
+  if len(prompts) < c.num_prompts:
+    raise ValueError(f"only {len(prompts)} prompts of <= {c.max_prompt_tokens} tokens")
+  eos = first.cfg.eos_id
+
+  # (way, dtype, batch, run(limit) -> answers by prompt index), in run order
+  runners = []
   for dtype in dtypes:
-    # the default forward: generation runs large batches (its GEMM is the faster
-    # there) and its bits need not match any other run's
-    model = load_model(c.model, dtype=dtype, batch_invariant=False)
-    prompts = [p for p in (model.tokenizer.encode_prompt(t) for _, t in examples)
-               if len(p) <= c.max_prompt_tokens][:c.num_prompts]
-    if len(prompts) < c.num_prompts:
-      raise ValueError(f"only {len(prompts)} prompts of <= {c.max_prompt_tokens} tokens")
-
-    def once(way):
-      t0 = time.perf_counter()
-      if way == "static":
-        n = _static(model, prompts, c.batch_size, c.max_new_tokens)
-      else:
-        n = _continuous(model, prompts, c.batch_size, c.max_new_tokens, c.max_prompt_tokens)
-      return n, time.perf_counter() - t0
-
-    for way in ways:  # compile pass, untimed
-      once(way)
-      progress(f"{dtype} {way}: compiled")
-    times = {w: [] for w in ways}
-    tokens = {}
-    for r in range(c.repeats):
-      for way in ways:
-        n, s = once(way)
-        tokens[way] = n
-        times[way].append(n / s)
-        progress(f"{dtype} {way} [{r + 1}/{c.repeats}]: {n} tokens, {n / s:.1f} tokens/s")
+    model = models[dtype]
     for way in ways:
-      rows.append({"way": way, "dtype": dtype, "batch_size": c.batch_size,
-                   "prompts": len(prompts), "new_tokens": tokens[way],
-                   "tokens_per_s": float(np.median(times[way])),
-                   "tokens_per_s_all": times[way]})
-  base = max(r["tokens_per_s"] for r in rows if r["way"] == "static")
+      if way == "static":
+        runners.append((way, dtype, c.batch_size, lambda lim, m=model: _static(
+            m, prompts, c.batch_size, c.max_new_tokens, lim)))
+      elif way == "continuous":
+        runners.append((way, dtype, c.batch_size, lambda lim, m=model: _continuous(
+            m, prompts, c.batch_size, c.max_new_tokens, c.max_prompt_tokens)))
+  closers = []
+  if "hf" in ways:
+    hf_model = hf.load_hf_model(first.source, c.hf_dtype)
+    runners.append(("hf", c.hf_dtype, c.batch_size, lambda lim: _hf(
+        hf_model, eos, prompts, c.batch_size, c.max_new_tokens, lim)))
+  if "llamacpp" in ways:
+    if not str(first.source).endswith(".gguf"):
+      raise ValueError(f"the 'llamacpp' way reads a GGUF file; model {c.model!r} is "
+                       f"{first.source!r}")
+    llm = llamacpp.LlamaCppProcess(
+        first.source, n_ctx=c.max_prompt_tokens + c.max_new_tokens + 8)
+    closers.append(llm.close)
+    runners.append(("llamacpp", "gguf", 1, lambda lim: _llamacpp(
+        llm, eos, prompts, c.max_new_tokens, lim)))
+  try:
+    for way, dtype, _, fn in runners:  # compile pass (specjax: every shape), untimed
+      fn(None if way not in PEER_WAYS else 1)
+      progress(f"{dtype} {way}: warmed up")
+    times = {(w, d): [] for w, d, _, _ in runners}
+    answers = {}
+    for r in range(c.repeats):
+      for way, dtype, _, fn in runners:
+        t0 = time.perf_counter()
+        got = fn(None)
+        s = time.perf_counter() - t0
+        n = sum(len(a) for a in got.values())
+        answers[(way, dtype)] = got
+        times[(way, dtype)].append(n / s)
+        progress(f"{dtype} {way} [{r + 1}/{c.repeats}]: {n} tokens, {n / s:.1f} tokens/s")
+  finally:
+    for close in closers:
+      close()
+  ref_way, ref_dtype = runners[0][0], runners[0][1]
+  ref = answers[(ref_way, ref_dtype)]
+  rows = []
+  for way, dtype, batch, _ in runners:
+    got = answers[(way, dtype)]
+    rows.append({"way": way, "dtype": dtype, "batch_size": batch, "prompts": len(got),
+                 "new_tokens": sum(len(a) for a in got.values()),
+                 "tokens_per_s": float(np.median(times[(way, dtype)])),
+                 "tokens_per_s_all": times[(way, dtype)],
+                 "same_answers": sum(got[i] == ref[i] for i in ref),
+                 "reference": f"{ref_way} {ref_dtype}"})
+  statics = [r["tokens_per_s"] for r in rows if r["way"] == "static"]
+  base = max(statics) if statics else max(r["tokens_per_s"] for r in rows)
+  base_name = "fastest static" if statics else "fastest way"
   for r in rows:
     r["vs_fastest_static"] = r["tokens_per_s"] / base
-  lines = ["| way | dtype | batch | prompts | answer tokens | tokens/s (median) | "
-           "vs fastest static |", "|---|---|---|---|---|---|---|"]
+  lines = [f"| way | dtype | batch | prompts | answer tokens | tokens/s (median) | "
+           f"vs {base_name} | answers = {ref_way} {ref_dtype}'s |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['way']} | {r['dtype']} | {r['batch_size']} | {r['prompts']} | "
-                 f"{r['new_tokens']} | {r['tokens_per_s']:.1f} | {r['vs_fastest_static']:.2f}x |")
+                 f"{r['new_tokens']} | {r['tokens_per_s']:.1f} | {r['vs_fastest_static']:.2f}x | "
+                 f"{r['same_answers']}/{r['prompts']} |")
   return {"rows": rows, "markdown": "\n".join(lines)}

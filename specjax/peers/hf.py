@@ -4,7 +4,7 @@ speculative modes.
 
 transformers and torch are the optional `peers` extra, imported on first use.
 
-Modes (all greedy, batch of one):
+Modes (all greedy, batch of one unless said):
 
 * `hf_greedy_generate`: plain autoregressive `generate`.
 * `hf_assisted_generate`: assisted generation with an assistant (draft)
@@ -17,6 +17,8 @@ Modes (all greedy, batch of one):
   the target's config and are ignored there. So they are set on the
   assistant. The default threshold (0.4) would stop drafting early; 0 turns
   it off, like specjax's `draft_stop=0`.
+* `hf_batch_generate`: plain `generate` on a left-padded batch of prompts
+  (answer throughput for training data, `specjax.benchmarks.datagen`).
 * `hf_prompt_lookup_generate`: prompt lookup decoding
   (`prompt_lookup_num_tokens=k`, `max_matching_ngram_size=n`): the last n..1
   tokens are searched in the prompt + output, the EARLIEST match's
@@ -204,6 +206,39 @@ def hf_greedy_generate(model, prompt_ids: Sequence[int], max_new_tokens: int,
   Stops at the model's EOS (as specjax does) or after max_new_tokens.
   """
   return _generate(model, prompt_ids, max_new_tokens, threads)
+
+
+def hf_batch_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      eos_ids: Sequence[int] = (), threads: Optional[int] = None) -> list:
+  """Greedy answers of several prompts in ONE `generate` call (a static batch:
+  prompts left-padded, the call runs until its longest answer ends), each
+  answer cut after its first EOS (the model's own, or an id in `eos_ids`).
+  -> list of token lists, in the prompts' order."""
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("hf_batch_generate needs at least one prompt and no empty prompt")
+  torch, _ = _import_peers()
+  set_threads(threads)
+  own = model.generation_config.eos_token_id
+  own = [] if own is None else ([own] if isinstance(own, int) else list(own))
+  stop = {int(t) for t in eos_ids} | {int(t) for t in own}
+  pad = min(stop) if stop else 0
+  width = max(len(p) for p in prompts)
+  ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+  mask = torch.zeros((len(prompts), width), dtype=torch.long)
+  for row, p in enumerate(prompts):  # left padding: every row's last prompt token at width - 1
+    ids[row, width - len(p):] = torch.tensor([int(t) for t in p], dtype=torch.long)
+    mask[row, width - len(p):] = 1
+  with torch.inference_mode():
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         do_sample=False, temperature=None, top_p=None, top_k=None,
+                         pad_token_id=pad, eos_token_id=sorted(stop) or None)
+  answers = []
+  for row in out[:, width:].tolist():
+    cut = next((i + 1 for i, t in enumerate(row) if t in stop), len(row))
+    answers.append(row[:cut])
+  return answers
 
 
 def hf_assisted_generate(model, assistant, prompt_ids: Sequence[int], max_new_tokens: int,
