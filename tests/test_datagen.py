@@ -2,6 +2,7 @@
 on the session's tiny GGUF (SmolLM2's tokenizer and vocabulary, 2 layers)."""
 
 import dataclasses
+import importlib.util
 
 import pytest
 
@@ -53,3 +54,20 @@ def test_datagen_takes_its_settings_dataclass(load_config):
       16, 64, 8, 1)
   with pytest.raises(TypeError, match="DatagenSettings"):
     datagen.run(load_config("datagen.py", "quick"), progress=lambda line: None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama.cpp peer not installed (optional extra: pip install -e '.[llamacpp]')")
+def test_llamacpp_way(tiny_gguf, load_config):
+  """llama.cpp answers the same prompts from the same GGUF file, one at a time
+  in a process of its own, and is closed after the run."""
+  c = load_config("datagen.py", "quick")
+  with c.unlocked():
+    c.model, c.dtypes, c.num_prompts, c.max_new_tokens, c.batch_size = (
+        str(tiny_gguf.path), "float32", 3, 6, 4)
+    c.sources, c.max_prompt_tokens, c.ways = "alpaca", 256, "static,llamacpp"
+  out = datagen.run(datagen.DatagenSettings.of(c), progress=lambda line: None)
+  rows = {r["way"]: r for r in out["rows"]}
+  assert rows["llamacpp"]["dtype"] == "gguf" and rows["llamacpp"]["batch_size"] == 1
+  assert rows["llamacpp"]["prompts"] == 3 and rows["llamacpp"]["new_tokens"] >= 3
+  assert 0 <= rows["llamacpp"]["same_answers"] <= 3 and rows["llamacpp"]["tokens_per_s"] > 0
