@@ -22,10 +22,10 @@ every way again, ...), so that the ratios compare like with like:
 
 specjax's ways run in each of `dtypes`, the peers once. Greedy answers. The
 first pass of each specjax way compiles every shape it meets and is not
-timed; a peer warms up on its first batch. Each row also counts the answers
-equal, token for token, to the first way's: the data a way writes is the
-target's only where they agree (llama.cpp's quantized arithmetic is not
-specjax's float32 dequantized forward).
+timed; a peer warms up on the first `batch_size` prompts. Each row counts
+the answers equal, token for token, to the first way's: the data a way
+writes is the target's only where they agree (llama.cpp's quantized
+arithmetic is not specjax's float32 dequantized forward).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def _by_length(prompts: Sequence[List[int]]) -> List[int]:
   return sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
 
 
-def _static(model, prompts: Sequence[List[int]], batch_size: int, max_new_tokens: int,
-            limit: Optional[int] = None) -> Dict[int, List[int]]:
-  order = _by_length(prompts)[:limit]
+def _static(model, prompts: Sequence[List[int]], batch_size: int,
+            max_new_tokens: int) -> Dict[int, List[int]]:
+  order = _by_length(prompts)
   answers = {}
   for i in range(0, len(order), batch_size):
     ids = order[i:i + batch_size]
@@ -142,16 +142,18 @@ def run(c: DatagenSettings, progress: Optional[Callable[[str], None]] = None) ->
     raise ValueError(f"only {len(prompts)} prompts of <= {c.max_prompt_tokens} tokens")
   eos = first.cfg.eos_id
 
-  # (way, dtype, batch, run(limit) -> answers by prompt index), in run order
+  # (way, dtype, batch, run(limit) -> answers by prompt index), in run order;
+  # `limit` (the warm-up's: the first prompts by length) is for the peers,
+  # specjax's ways warm up on every prompt (each shape compiles once)
   runners = []
   for dtype in dtypes:
     model = models[dtype]
     for way in ways:
       if way == "static":
-        runners.append((way, dtype, c.batch_size, lambda lim, m=model: _static(
-            m, prompts, c.batch_size, c.max_new_tokens, lim)))
+        runners.append((way, dtype, c.batch_size, lambda _, m=model: _static(
+            m, prompts, c.batch_size, c.max_new_tokens)))
       elif way == "continuous":
-        runners.append((way, dtype, c.batch_size, lambda lim, m=model: _continuous(
+        runners.append((way, dtype, c.batch_size, lambda _, m=model: _continuous(
             m, prompts, c.batch_size, c.max_new_tokens, c.max_prompt_tokens)))
   closers = []
   if "hf" in ways:
@@ -169,7 +171,7 @@ def run(c: DatagenSettings, progress: Optional[Callable[[str], None]] = None) ->
         llm, eos, prompts, c.max_new_tokens, lim)))
   try:
     for way, dtype, _, fn in runners:  # compile pass (specjax: every shape), untimed
-      fn(None if way not in PEER_WAYS else 1)
+      fn(c.batch_size if way in PEER_WAYS else None)
       progress(f"{dtype} {way}: warmed up")
     times = {(w, d): [] for w, d, _, _ in runners}
     answers = {}
