@@ -450,3 +450,32 @@ def test_loss_on_prompt_positions_reaches_the_gradient_only_when_asked(tiny_targ
                      (dict(loss_positions="sequence", context="window"), "needs context")):
     with pytest.raises(ValueError, match=match):
       run.check_loss_positions(TrainSettings(method="eagle3", **bad))
+
+
+def test_estimate_with_stored_target_stats_equals_the_full_lm_head(tiny_target):
+  """With a reduced vocabulary the estimate keeps each window's target argmax
+  and log-normaliser from its first call and computes p over the draft
+  vocabulary from them: the same greedy agreement as the full LM head's
+  softmax, the same overlap to rounding; a second estimate on the same
+  windows reads the stored stats and repeats the first exactly."""
+  m = tiny_target
+  cfg, t, k = m.cfg, 12, 3
+  head = eagle.init_head(jax.random.key(0), cfg, fused=True)
+  vocab = jnp.arange(0, cfg.vocab_size, 2, dtype=jnp.int32)  # half the tokens
+  rng = np.random.default_rng(4)
+  windows = [{"g": rng.standard_normal((t, 3 * cfg.dim)).astype(np.float32),
+              "tokens": rng.integers(3, cfg.vocab_size, t).astype(np.int32),
+              "positions": np.arange(t, dtype=np.int32),
+              "f_next": (3 * rng.standard_normal((t, cfg.dim))).astype(np.float32),
+              "answer": (np.arange(t) >= 4).astype(np.float32)} for _ in range(4)]
+  batch = {key: jnp.asarray(np.stack([w[key] for w in windows])) for key in windows[0]}
+  full_c, full_o = eagle_train._eval_batch(head, m.params, cfg, batch, vocab, k)  # pylint: disable=protected-access
+  first = eagle_train.estimate(head, m.params, cfg, windows, k, vocab, batch_size=4)
+  assert all("lse" in w and "tgt" in w for w in windows)
+  stored = dict(batch, tgt=jnp.asarray(np.stack([w["tgt"] for w in windows])),
+                lse=jnp.asarray(np.stack([w["lse"] for w in windows])))
+  c, o = eagle_train._eval_batch(head, m.params, cfg, stored, vocab, k)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(c, full_c)
+  assert 0.0 < float(jnp.mean(full_o)) < 1.0  # a non-trivial overlap to compare
+  np.testing.assert_allclose(o, full_o, rtol=1e-5, atol=1e-6)
+  assert eagle_train.estimate(head, m.params, cfg, windows, k, vocab, batch_size=4) == first

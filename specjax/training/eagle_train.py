@@ -418,24 +418,40 @@ def make_step(optimizer, target_params, cfg, *, vocab=None, steps: int = 1, w_re
   return step
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _target_stats(target_params, cfg, f_next):
+  """The target's greedy token and log-normaliser log sum exp(logits) at each
+  position, over the full vocabulary: what the estimate needs of the target's
+  distribution besides its draft-vocabulary probabilities."""
+  logits = transformer.lm_head(target_params, cfg, f_next)
+  return jnp.argmax(logits, -1).astype(jnp.int32), jax.nn.logsumexp(logits, -1)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "steps"))
 def _eval_batch(head, target_params, cfg, batch, vocab, steps):
+  """-> (greedy agreement, overlap sum min(p, q)) (B, T, steps) of the unrolled
+  chain. With a reduced vocabulary and the windows' stored `_target_stats`
+  ("tgt", "lse"), p over the draft vocabulary is exp(its logits - lse): the
+  full 49,152-row LM head is not run again at every evaluation."""
   lm_w = eagle.head_weights(dict(head, **({} if vocab is None else {"vocab": vocab})),
                             target_params, cfg)
   outs = unroll(head, target_params, cfg, batch, steps)
-  _, p = target_probs(target_params, cfg, batch["f_next"], None)
-  tgt = jnp.argmax(p, -1)
+  if vocab is not None and "lse" in batch:
+    tgt = batch["tgt"]
+    w = target_params["embed"] if cfg.tie_embeddings else target_params["lm_head"]
+    p_sub = jnp.exp(transformer._dot(batch["f_next"], jnp.take(w, vocab, axis=0))  # pylint: disable=protected-access
+                    - batch["lse"][..., None])
+  else:
+    _, p = target_probs(target_params, cfg, batch["f_next"], None)
+    tgt = jnp.argmax(p, -1)
+    p_sub = p if vocab is None else jnp.take(p, vocab, axis=-1)
   correct, overlap = [], []
   for a in outs:
     logits = eagle.draft_logits(head, target_params, cfg, a, lm_w)
     q_sub = jax.nn.softmax(logits, -1)
-    if vocab is None:
-      top, ov = jnp.argmax(logits, -1), jnp.sum(jnp.minimum(p, q_sub), -1)
-    else:
-      top = vocab[jnp.argmax(logits, -1)]
-      ov = jnp.sum(jnp.minimum(jnp.take(p, vocab, axis=-1), q_sub), -1)
+    top = jnp.argmax(logits, -1) if vocab is None else vocab[jnp.argmax(logits, -1)]
     correct.append(top == tgt)
-    overlap.append(ov)
+    overlap.append(jnp.sum(jnp.minimum(p_sub, q_sub), -1))
   return jnp.stack(correct, -1), jnp.stack(overlap, -1)  # (B, T, steps)
 
 
@@ -467,7 +483,17 @@ def _estimate_group(head, target_params, cfg, windows, k, vocab, batch_size, cor
 
 def estimate(head, target_params, cfg, windows: Sequence[dict], k: int, vocab=None,
              batch_size: int = 8) -> Dict[str, float]:
-  """Teacher-forced acceptance of a k-chain (module docstring) over `windows`."""
+  """Teacher-forced acceptance of a k-chain (module docstring) over `windows`.
+
+  With a reduced vocabulary, each window keeps the target's greedy tokens and
+  log-normalisers (`_target_stats`, keys "tgt" / "lse") from its first
+  estimate: a training run that evaluates the same windows every few hundred
+  steps runs the target's full LM head over them once."""
+  if vocab is not None:
+    for w in windows:
+      if "lse" not in w:
+        tgt, lse = _target_stats(target_params, cfg, jnp.asarray(w["f_next"]))
+        w["tgt"], w["lse"] = np.asarray(tgt), np.asarray(lse)
   corr, over, walks = [], [], []
   groups: Dict[int, List[dict]] = {}
   for w in windows:  # windows of one width are evaluated together
