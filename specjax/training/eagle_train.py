@@ -487,8 +487,9 @@ def estimate(head, target_params, cfg, windows: Sequence[dict], k: int, vocab=No
 
   With a reduced vocabulary, each window keeps the target's greedy tokens and
   log-normalisers (`_target_stats`, keys "tgt" / "lse") from its first
-  estimate: a training run that evaluates the same windows every few hundred
-  steps runs the target's full LM head over them once."""
+  estimate: a training run that evaluates the same windows every `eval_every`
+  steps runs the target's full LM head over them once. (A window's features
+  are one target's, so its stored stats are that target's too.)"""
   if vocab is not None:
     for w in windows:
       if "lse" not in w:
