@@ -69,12 +69,17 @@ def _by_length(prompts: Sequence[List[int]]) -> List[int]:
   return sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
 
 
+def _static_batches(prompts: Sequence[List[int]], batch_size: int,
+                    limit: Optional[int] = None) -> List[List[int]]:
+  """The prompts' indices in static batches of `batch_size`, by length (the first `limit`)."""
+  order = _by_length(prompts)[:limit]
+  return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
 def _static(model, prompts: Sequence[List[int]], batch_size: int,
             max_new_tokens: int) -> Dict[int, List[int]]:
-  order = _by_length(prompts)
   answers = {}
-  for i in range(0, len(order), batch_size):
-    ids = order[i:i + batch_size]
+  for ids in _static_batches(prompts, batch_size):
     res = ar.generate(model.params, model.cfg, [prompts[j] for j in ids],
                       sampling=sampling_lib.GREEDY, max_new_tokens=max_new_tokens,
                       request_ids=ids)
@@ -93,10 +98,8 @@ def _continuous(model, prompts: Sequence[List[int]], batch_size: int, max_new_to
 def _hf(hf_model, eos_id: int, prompts: Sequence[List[int]], batch_size: int,
         max_new_tokens: int, limit: Optional[int] = None) -> Dict[int, List[int]]:
   from specjax.peers import hf  # pylint: disable=import-outside-toplevel
-  order = _by_length(prompts)[:limit]
   answers = {}
-  for i in range(0, len(order), batch_size):
-    ids = order[i:i + batch_size]
+  for ids in _static_batches(prompts, batch_size, limit):
     answers.update(zip(ids, hf.hf_batch_generate(hf_model, [prompts[j] for j in ids],
                                                  max_new_tokens, eos_ids=[eos_id])))
   return answers

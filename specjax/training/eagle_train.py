@@ -438,9 +438,8 @@ def _eval_batch(head, target_params, cfg, batch, vocab, steps):
   outs = unroll(head, target_params, cfg, batch, steps)
   if vocab is not None and "lse" in batch:
     tgt = batch["tgt"]
-    w = target_params["embed"] if cfg.tie_embeddings else target_params["lm_head"]
-    p_sub = jnp.exp(transformer._dot(batch["f_next"], jnp.take(w, vocab, axis=0))  # pylint: disable=protected-access
-                    - batch["lse"][..., None])
+    rows = eagle.head_weights({"vocab": vocab}, target_params, cfg)  # the target's, at vocab
+    p_sub = jnp.exp(transformer._dot(batch["f_next"], rows) - batch["lse"][..., None])  # pylint: disable=protected-access
   else:
     _, p = target_probs(target_params, cfg, batch["f_next"], None)
     tgt = jnp.argmax(p, -1)
