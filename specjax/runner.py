@@ -77,8 +77,9 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
   require(c, GenerateSettings, "runner.generate")
   sampling = c.sampling
   methods = ("ar",) + registry.available_methods()
-  if c.method not in methods:
-    raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)}")
+  if c.method != "ar" and not registry.is_method(c.method):
+    raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)} "
+                           "(or several joined by '+')")
   inv = invariant_lib.resolve(c.batch_invariant, c.dtype, bool(c.mesh))
   model = model or load_model(c.model, c.dtype, batch_invariant=inv,
                               invariant_tile=c.invariant_tile)

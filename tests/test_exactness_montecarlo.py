@@ -32,6 +32,7 @@ from specjax.drafters.lookahead import LookaheadTree
 from specjax.drafters.medusa import Blockwise, Medusa, MedusaTree
 from specjax.drafters.medusa import prepare as medusa_prepare
 from specjax.drafters.prompt_lookup import PromptLookup
+from specjax.drafters.union import Union
 
 pytestmark = pytest.mark.slow  # ~30 programs of 10^5 requests: the full suite, not the fast tier
 
@@ -105,6 +106,12 @@ SETTINGS = [
     # with duplicates marked out of the tree, one tree forward.
     ("lookahead_tree-T0.7-B4", LookaheadTree(k=2, window=2, ngram=3, max_candidates=3, pool_size=16),
      T07, PROMPTS4),
+    # A union: EAGLE-3's sampled chain and prompt lookup's deterministic one as
+    # two branches of one tree (not merged: SpecInfer's multi-step rule over
+    # independently drawn candidates, each with its own q).
+    ("union-eagle3+prompt_lookup-T1-B4",
+     Union(k=2, parts=(Eagle(k=2, sampling=T1, fused=True), PromptLookup(k=2, max_ngram=1)),
+           merge=False), T1, PROMPTS4),
 ]
 
 
@@ -140,6 +147,8 @@ REDUCED_DRAFT = with_draft_vocab(dict(_DRAFT, vocab_rank=jnp.arange(V)), DCFG, V
 
 
 def _draft_params(drafter, draft, name=None):
+  if isinstance(drafter, Union):
+    return tuple(_draft_params(p, draft) for p in drafter.parts)
   if name is not None and name.startswith("draft_model-reduced"):
     return REDUCED_DRAFT
   if isinstance(drafter, Eagle):
@@ -315,6 +324,12 @@ NEGATIVE = [
     ("key_reused_for_draft_and_accept", DraftModel(k=3, cfg=DCFG, sampling=T1), T1,
      dict(accept_purpose=batch_lib.DRAFT)),
     ("draft_length_chosen_by_own_confidence", _KeepIfSure(k=3, cfg=DCFG, sampling=T1), T1, {}),
+    # A union merging a sampled guess into an equal deterministic one (a trie, as
+    # under greedy): the sampled candidate's own rejection step is lost, and with
+    # it the residual's update by its q (`Union.lossy` says so).
+    ("union_merges_sampled_guesses",
+     Union(k=2, parts=(PromptLookup(k=2, max_ngram=1), Eagle(k=2, sampling=T1, fused=True))),
+     T1, {}),
 ]
 
 

@@ -512,9 +512,10 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
       base, mc = registry.method_config(m, c.drafter)
     except ValueError as e:
       raise ConfigValueError(str(e)) from e
-    if base == "ar" or base not in registry.available_methods():
+    if base == "ar" or not registry.is_method(base):
       raise ConfigValueError(f"unknown method {m!r} (AR is always the baseline); available: "
-                             f"{', '.join(registry.available_methods())}")
+                             f"{', '.join(registry.available_methods())} (or several joined "
+                             "by '+')")
     k = mc.k
     if base not in registry.LOOKAHEAD_METHODS and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
       raise ConfigValueError(f"draft length k must be an integer >= 1, got {k!r} for {m}")

@@ -109,6 +109,10 @@ class Drafter:
   # Whether `init` needs the target's prefill hidden states (`hidden=`, the
   # layers `layers_for` names): feature-level drafters (EAGLE).
   needs_prefill_hidden = False
+  # Whether the drafter's state keeps what it computed for its own guesses and
+  # `commit` takes the accepted ones for its own (a draft model's cache): it
+  # cannot share a round with other drafters (`specjax.drafters.union`).
+  keeps_own_guesses = False
 
   def layers_for(self, target_cfg) -> tuple:
     """`hidden_layers` the target's forwards return for this drafter (`VerifyOutput.hidden`);

@@ -49,6 +49,7 @@ class DraftModel(Drafter):
   # > 0: dynamic draft length, stop once the chain's confidence falls below (`sample_chain`)
   draft_stop: float = 0.0
   name = "draft_model"
+  keeps_own_guesses = True  # its cache holds its accepted guesses' entries (`commit`)
 
   def __post_init__(self):
     super().__post_init__()

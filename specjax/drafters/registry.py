@@ -44,6 +44,10 @@ None fields take the defaults below); it is typically the run's ConfigDict:
   lookahead_tree the same, verifying its max_candidates (+1) candidates as a
                  trie of depth ngram - 1 in one tree forward
 
+Drafters joined by '+' ('eagle3+prompt_lookup') are one `union.Union`: each
+part drafts its chain with the same fields (k the union's depth), and the
+chains are verified as one tree.
+
 A method name may carry its own field values after '@', so one run compares
 settings side by side: 'eagle3_tree@tree_nodes=8', 'eagle@k=2@draft_vocab=full'
 (each record keeps the full name).
@@ -80,6 +84,7 @@ from specjax.drafters.medusa import (Blockwise, Medusa, MedusaTree, geometric_ac
                                      tree_from_accuracies)
 from specjax.drafters.prompt_lookup import PromptLookup
 from specjax.drafters.replay import AlwaysReject, Replay, ReplayParams
+from specjax.drafters.union import Union
 # The settings, re-exported: callers name them through the registry.
 from specjax.drafters.settings import (  # pylint: disable=unused-import
     CONFIG_FIELDS, LOOKAHEAD_FIELDS, LOOKAHEAD_METHODS, DrafterSettings, config_defaults,
@@ -100,6 +105,13 @@ def available_methods() -> tuple:
   """Method names make_drafter accepts (the built-in ones, then any registered)."""
   return BUILTIN + LOOKAHEAD_METHODS + tuple(m for m in BUILDERS if m not in BUILTIN
                                              and m not in LOOKAHEAD_METHODS)
+
+
+def is_method(name: str) -> bool:
+  """Whether `name` (without '@' fields) names a drafting method: one of
+  `available_methods()`, or several of them joined by '+' (a union)."""
+  methods = available_methods()
+  return all(part in methods for part in str(name).split("+"))
 
 
 def default_layers(num_layers: int) -> str:
@@ -199,6 +211,9 @@ def drafter_id(method: str, config, target_model=None) -> Optional[str]:
   vocabulary choice; for the draft model its spec; None for training-free
   drafters."""
   method, settings = method_config(method, config)
+  if "+" in method:  # a union: its parts' weights
+    ids = [drafter_id(name, settings, target_model) for name in method.split("+")]
+    return " + ".join(i for i in ids if i) or None
   vocab = settings.draft_vocab
   if method == "draft_model":
     spec = settings.draft_model
@@ -275,11 +290,22 @@ def _make_drafter(method: str, config, target_model, *, reference=None,
   """
   base, settings = method_config(method, config)
   methods = available_methods()
-  if base not in methods:
-    raise ValueError(f"unknown drafting method {base!r}; available: {', '.join(methods)}")
-  return BUILDERS[base](Request(method=base, settings=settings, target_model=target_model,
-                                sampling=sampling or sampling_of(config), reference=reference,
-                                reference_width=reference_width))
+  names = base.split("+")
+  for name in names:
+    if name not in methods:
+      raise ValueError(f"unknown drafting method {name!r}; available: {', '.join(methods)} "
+                       "(or several joined by '+': a union)")
+  sampling = sampling or sampling_of(config)
+  built = [BUILDERS[name](Request(method=name, settings=settings, target_model=target_model,
+                                  sampling=sampling, reference=reference,
+                                  reference_width=reference_width)) for name in names]
+  if len(built) == 1:
+    return built[0]
+  drafter = Union(k=int(settings.k), parts=tuple(d for d, _ in built),
+                  merge=sampling.greedy)
+  params = tuple(p for _, p in built)
+  drafter.check(target_model.cfg, params)
+  return drafter, params
 
 
 # --- the table: method name -> how to build it -----------------------------------------

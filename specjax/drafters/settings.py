@@ -122,7 +122,9 @@ def parse_method(method: str) -> tuple[str, dict]:
   allowed = set(CONFIG_FIELDS)
   if base in LOOKAHEAD_METHODS:
     allowed |= LOOKAHEAD_FIELDS
-  reads = METHOD_FIELDS.get(base)
+  names = base.split("+")  # a union reads what any of its parts reads
+  reads = (frozenset().union(*(METHOD_FIELDS[n] for n in names))
+           if all(n in METHOD_FIELDS for n in names) else None)
   overrides = {}
   for part in parts:
     key, sep, value = part.partition("=")
