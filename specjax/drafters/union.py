@@ -32,10 +32,12 @@ Exactness.
   sample is `lossy` (the exactness tests' negative control).
 
 Parts must be chain drafters that do not write into the target's cache
-(layer skip and Lookahead run the target's own layers inside `propose`), and
-a part that learns from the verified path (EAGLE's features, a draft model's
-cache) must draft the union's k: it is handed the accepted path of the tree,
-up to k tokens long.
+(layer skip and Lookahead run the target's own layers inside `propose`) and
+that do not take the accepted tokens for their own guesses (a draft model
+keeps its cache entries of accepted guesses: `Drafter.keeps_own_guesses`).
+A part that learns from the verified path (EAGLE's features, Medusa's last
+feature) must draft the union's k: it is handed the accepted path of the
+tree, up to k tokens long, whichever part drafted it.
 """
 
 from __future__ import annotations
