@@ -78,21 +78,38 @@ def commit_path(cache: cache_lib.KVCache, root_slot: jax.Array, path: jax.Array,
                 num_accepted: jax.Array, active=None) -> cache_lib.KVCache:
   """Move the accepted nodes' entries into place: node path[i] was written at
   slot root_slot + 1 + path[i] by the verify forward; it belongs at
-  root_slot + 1 + i. All entries are gathered before any is written (a
-  node's index is never below its depth - 1, so sources never lie below
-  their destinations). The fill level is left to the caller."""
+  root_slot + 1 + i. The fill level is left to the caller.
+
+  Every source and destination lies in the N slots after the root, so each
+  row reads that window once, permutes it (a gather over N slots) and writes
+  it back in place (`dynamic_update_slice`): XLA CPU ran the general
+  gather + scatter over every layer's cache at ~25 ms a round for one row
+  (SmolLM2-135M, 30 layers), longer than the verify forward. Destinations
+  past the cache's capacity are dropped (the window is clipped to the cache
+  and the entries that would fall outside it stay where they are)."""
   b, n = path.shape
-  i = jnp.arange(n, dtype=jnp.int32)[None]
-  take = i < num_accepted[:, None]
+  s = cache.num_slots
+  take = jnp.arange(n, dtype=jnp.int32)[None] < num_accepted[:, None]
   if active is not None:
     take = take & active[:, None]
-  src = root_slot[:, None] + 1 + jnp.where(take, path, i)
-  dst = jnp.where(take, root_slot[:, None] + 1 + i, cache.num_slots)  # out of range: dropped
-  rows = jnp.arange(b)[:, None]
+  start = jnp.clip(root_slot + 1, 0, max(s - n, 0)).astype(jnp.int32)  # (B,) the window
+  off = root_slot + 1 - start  # > 0 only where the window was clipped at the cache's end
+  j = jnp.arange(n, dtype=jnp.int32)[None]
+  rel = j - off[:, None]  # the path entry whose destination is window slot j
+  relc = jnp.clip(rel, 0, n - 1)
+  dest = (rel >= 0) & jnp.take_along_axis(take, relc, 1)
+  src = jnp.where(dest, off[:, None] + jnp.take_along_axis(path, relc, 1), j)
+  src = jnp.clip(src, 0, n - 1)  # window slot each window slot takes its entry from
 
   def move(arr):
-    vals = arr[rows, jnp.clip(src, 0, arr.shape[1] - 1)]
-    return arr.at[rows, dst].set(vals, mode="drop")
+    zeros = (0,) * (arr.ndim - 2)
+
+    def row(r, arr):
+      win = jax.lax.dynamic_slice(arr, (r, start[r]) + zeros, (1, n) + arr.shape[2:])
+      return jax.lax.dynamic_update_slice(arr, jnp.take(win, src[r], axis=1),
+                                          (r, start[r]) + zeros)
+
+    return row(0, arr) if b == 1 else jax.lax.fori_loop(0, b, row, arr)
 
   return cache.replace(k=tuple(move(a) for a in cache.k), v=tuple(move(a) for a in cache.v))
 

@@ -215,6 +215,37 @@ def test_commit_path_equals_token_by_token_decoding_with_poisoned_slots():
   assert np.abs(np.asarray(lc) - np.asarray(lb)).max() > 1e-2
 
 
+def test_commit_path_moves_exactly_the_accepted_entries():
+  """The in-place window commit against the slot-by-slot definition: several
+  rows (one inactive), random paths and accepted counts, roots near the
+  cache's end (destinations past its capacity dropped, sources never lost)."""
+  rng = np.random.default_rng(0)
+  b, slots, n = 4, 16, 5
+  arrs = rng.normal(size=(2, b, slots, 2, 3)).astype(np.float32)
+  cache = cache_lib.KVCache(k=(jnp.asarray(arrs[0]),), v=(jnp.asarray(arrs[1]),),
+                            length=jnp.zeros((b,), jnp.int32))
+  active = np.array([True, True, False, True])
+  for trial in range(20):
+    root = rng.integers(0, slots, size=b)
+    root[0] = slots - 1 - trial % 4  # near and at the end
+    num = rng.integers(0, n + 1, size=b)
+    path = np.full((b, n), -1)
+    for r in range(b):  # an increasing path: node indices >= depth - 1
+      path[r, :num[r]] = np.sort(rng.choice(np.arange(n), size=num[r], replace=False))
+    want = arrs.copy()
+    for r in range(b):
+      if not active[r]:
+        continue
+      for i in range(num[r]):
+        src, dst = root[r] + 1 + path[r, i], root[r] + 1 + i
+        if dst < slots:
+          want[:, r, dst] = arrs[:, r, min(src, slots - 1)]
+    got = tree_lib.commit_path(cache, jnp.asarray(root, jnp.int32), jnp.asarray(path, jnp.int32),
+                               jnp.asarray(num, jnp.int32), jnp.asarray(active))
+    np.testing.assert_array_equal(np.asarray(got.k[0]), want[0], err_msg=f"trial {trial}")
+    np.testing.assert_array_equal(np.asarray(got.v[0]), want[1], err_msg=f"trial {trial}")
+
+
 # ---- Medusa trees in the loop -------------------------------------------------------------
 
 HEADS = {"w": 0.3 * jax.random.normal(jax.random.PRNGKey(1), (3, 64, 64)) / 8,
