@@ -183,13 +183,13 @@ class Union(Drafter):
       props.append(prop)
       states.append(s)
     k = self.k
-    pad = lambda x, axis: jnp.pad(  # pylint: disable=unnecessary-lambda-assignment
+    pad = lambda x: jnp.pad(  # guesses to k along axis 1 # pylint: disable=unnecessary-lambda-assignment
         x, [(0, k - x.shape[1]) if a == 1 else (0, 0) for a in range(x.ndim)])
-    cands = jnp.stack([pad(pr.tokens, 1) for pr in props], 1)  # (B, G, k)
+    cands = jnp.stack([pad(pr.tokens) for pr in props], 1)  # (B, G, k)
     lengths = jnp.stack([jnp.minimum(pr.num_proposed, pr.tokens.shape[1]) for pr in props], 1)
     lengths = jnp.where(ctx.active[:, None], lengths, 0).astype(jnp.int32)
     tokens, parent = chains_tree(cands, lengths, merge=self.merge)
-    q = jnp.stack([pad(pr.q, 1) for pr in props], 1)  # (B, G, k, V)
+    q = jnp.stack([pad(pr.q) for pr in props], 1)  # (B, G, k, V)
     b, g_, _, v = q.shape
     q = jnp.swapaxes(q, 1, 2).reshape(b, k * g_, v)  # depth-major, as the nodes
     tokens, parent, q, count = compact(tokens, parent, q)
