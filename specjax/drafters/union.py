@@ -153,10 +153,6 @@ class Union(Drafter):
   def block(self) -> int:
     return max([self.num_nodes + 1] + [p.block for p in self.parts])
 
-  @property
-  def vocab_size(self):
-    return None
-
   def check(self, target_cfg, params) -> None:
     if not isinstance(params, tuple) or len(params) != len(self.parts):
       raise ValueError(f"{self.name}: params must be a tuple of {len(self.parts)} "
