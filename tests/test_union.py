@@ -11,7 +11,9 @@ import pytest
 
 from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
+from specjax.decoding import batch as batch_lib
 from specjax.decoding import speculative as sp
+from specjax.drafters.base import Context, Target
 from specjax.drafters import registry
 from specjax.drafters.draft_model import DraftModel
 from specjax.drafters.eagle import Eagle, init_head, prepare
@@ -84,6 +86,40 @@ def test_greedy_union_equals_ar_and_accepts_what_its_best_part_does():
   assert merged.stats["rounds"] == alone.stats["rounds"]
   assert apart.stats["rounds"] > merged.stats["rounds"], (apart.stats, merged.stats)
 
+
+
+def test_sampled_parts_draw_with_their_own_keys():
+  """Under sampling the tree rule needs the parts' guesses drawn independently:
+  part 0 draws with the round's drafting keys (as it would alone), part g >= 1
+  with fold_in(keys, g). Two copies of one sampled EAGLE-3 head, kept apart,
+  must then propose different chains in some rows; handed the same keys (the
+  control: what sharing them would do) they propose the same chain every time."""
+  t1 = sampling_lib.SamplingConfig(temperature=1.0)
+  head = _eagle3_head()
+  part = Eagle(k=3, fused=True, sampling=t1)
+  union = Union(k=3, parts=(part, part), merge=False)
+  params = (head, head)
+  state = sp.start(PARAMS, CFG, union, PROMPTS, draft_params=params, key=5,
+                   spec=sp.SpecConfig(sampling=t1), max_new_tokens=NEW)
+  ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
+                active=~state.done)
+  target = Target(PARAMS, CFG)
+  propose = jax.jit(lambda d, s, keys: d.draft(params[0] if d is part else params, target, s,
+                                               ctx, keys)[0], static_argnums=0)
+  differ = 0
+  for r in range(8):  # 8 rounds' keys x 3 rows
+    keys = batch_lib.purpose_keys(state.keys, batch_lib.DRAFT, jnp.int32(r))
+    tree = propose(union, state.drafter, keys)
+    assert tree.num_proposed.tolist() == [6] * len(PROMPTS)  # two branches of 3, apart
+    chains = np.asarray(tree.tokens)[:, :6].reshape(-1, 3, 2)  # depth-major -> (B, depth, part)
+    alone = [propose(part, state.drafter[0], keys),
+             propose(part, state.drafter[1], jax.vmap(jax.random.fold_in, (0, None))(keys, 1))]
+    for g in range(2):
+      np.testing.assert_array_equal(chains[:, :, g], alone[g].tokens)
+    shared = propose(part, state.drafter[1], keys)  # the control: part 1 on part 0's keys
+    np.testing.assert_array_equal(shared.tokens, alone[0].tokens)
+    differ += int(np.sum(np.any(chains[:, :, 0] != chains[:, :, 1], axis=1)))
+  assert differ >= 8, differ  # of 24 pairs of chains
 
 def test_union_refuses_what_it_cannot_join():
   with pytest.raises(ValueError, match="at least two"):
