@@ -17,6 +17,8 @@ from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import eagle, eagle_tree
 from specjax.drafters.base import Context, Target
+from specjax.drafters.replay import Replay, replay_params
+from specjax.drafters.union import Union
 from specjax.models import cache as cache_lib
 from specjax.io import checkpoints
 from specjax.training import eagle_train, features, loop, run
@@ -312,6 +314,46 @@ def test_tree_state_equals_a_fresh_prefill_after_each_round(trained, tiny_target
     np.testing.assert_array_equal(live.parent, fresh.parent, err_msg=f"round {i}")
   assert len(accepted) > 1, accepted  # rounds of different accepted lengths were covered
 
+
+
+def test_union_part_state_equals_a_fresh_prefill_after_paths_another_part_drafted(
+    trained, tiny_target):
+  """In a union (`specjax/drafters/union.py`) the EAGLE-3 part is handed the
+  tree's accepted path whichever part drafted it. A replay of AR's answer with
+  every third token wrong drafts first, so rounds accept its paths of 0-2
+  guesses (or the head's own); after each round the head's next proposal is
+  that of a head freshly prefilled on the committed prefix. The off-by-one
+  commit (the control) is caught."""
+  m = tiny_target
+  dparams, _ = _load(trained, "eagle3", m)
+  prompts = [[5, 9, 3, 17, 4, 22, 7], [8, 8, 30]]
+  ref = ar.generate(m.params, m.cfg, prompts, max_new_tokens=40).tokens
+  wrong = [[(t + 1) % m.cfg.vocab_size if i % 3 == 2 else t for i, t in enumerate(r)]
+           for r in ref]
+  spec = sp.SpecConfig(sampling=sampling_lib.GREEDY)
+  for cls, must_match in ((eagle.Eagle, True), (_OffByOne, False)):
+    part = cls(k=3, sampling=T1, fused=True)
+    union = Union(k=3, parts=(Replay(k=3), part))
+    params = (replay_params(wrong), dparams)
+    state = sp.start(m.params, m.cfg, union, prompts, draft_params=params, key=3,
+                     max_new_tokens=40, spec=spec)
+    accepted, mismatches = set(), []
+    for i in range(5):
+      before = np.asarray(state.length)
+      state = _tree_round(m.params, m.cfg, union, params, spec, state)
+      accepted |= set((np.asarray(state.length) - before - 1).tolist())
+      live, fresh = _live_and_fresh(m, part, dparams, state.replace(drafter=state.drafter[1]),
+                                    100 + i)
+      same = (np.array_equal(np.asarray(live.tokens), np.asarray(fresh.tokens)) and
+              np.allclose(np.asarray(live.q), np.asarray(fresh.q), atol=1e-5))
+      if must_match:
+        np.testing.assert_array_equal(live.tokens, fresh.tokens, err_msg=f"round {i}")
+        np.testing.assert_allclose(live.q, fresh.q, atol=1e-5, err_msg=f"round {i}")
+      mismatches.append(not same)
+    if must_match:
+      assert len(accepted - {0}) > 1, accepted  # paths of different lengths were followed
+    else:
+      assert any(mismatches), mismatches
 
 def test_reduced_vocabulary_helpers():
   counts = np.array([5, 0, 9, 9, 1, 7])
