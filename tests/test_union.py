@@ -93,7 +93,8 @@ def test_sampled_parts_draw_with_their_own_keys():
   part 0 draws with the round's drafting keys (as it would alone), part g >= 1
   with fold_in(keys, g). Two copies of one sampled EAGLE-3 head, kept apart,
   must then propose different chains in some rows; handed the same keys (the
-  control: what sharing them would do) they propose the same chain every time."""
+  control: what sharing them would do) they propose the same chain every time.
+  Each node carries the q its part drew it from."""
   t1 = sampling_lib.SamplingConfig(temperature=1.0)
   head = _eagle3_head()
   part = Eagle(k=3, fused=True, sampling=t1)
@@ -114,8 +115,10 @@ def test_sampled_parts_draw_with_their_own_keys():
     chains = np.asarray(tree.tokens)[:, :6].reshape(-1, 3, 2)  # depth-major -> (B, depth, part)
     alone = [propose(part, state.drafter[0], keys),
              propose(part, state.drafter[1], jax.vmap(jax.random.fold_in, (0, None))(keys, 1))]
+    q = np.asarray(tree.q)[:, :6].reshape(len(PROMPTS), 3, 2, -1)  # q travels with its node
     for g in range(2):
       np.testing.assert_array_equal(chains[:, :, g], alone[g].tokens)
+      np.testing.assert_array_equal(q[:, :, g], alone[g].q)
     shared = propose(part, state.drafter[1], keys)  # the control: part 1 on part 0's keys
     np.testing.assert_array_equal(shared.tokens, alone[0].tokens)
     differ += int(np.sum(np.any(chains[:, :, 0] != chains[:, :, 1], axis=1)))
