@@ -315,7 +315,6 @@ def test_tree_state_equals_a_fresh_prefill_after_each_round(trained, tiny_target
   assert len(accepted) > 1, accepted  # rounds of different accepted lengths were covered
 
 
-
 def test_union_part_state_equals_a_fresh_prefill_after_paths_another_part_drafted(
     trained, tiny_target):
   """In a union (`specjax/drafters/union.py`) the EAGLE-3 part is handed the
@@ -354,6 +353,7 @@ def test_union_part_state_equals_a_fresh_prefill_after_paths_another_part_drafte
       assert len(accepted - {0}) > 1, accepted  # paths of different lengths were followed
     else:
       assert any(mismatches), mismatches
+
 
 def test_reduced_vocabulary_helpers():
   counts = np.array([5, 0, 9, 9, 1, 7])

@@ -87,7 +87,6 @@ def test_greedy_union_equals_ar_and_accepts_what_its_best_part_does():
   assert apart.stats["rounds"] > merged.stats["rounds"], (apart.stats, merged.stats)
 
 
-
 def test_sampled_parts_draw_with_their_own_keys():
   """Under sampling the tree rule needs the parts' guesses drawn independently:
   part 0 draws with the round's drafting keys (as it would alone), part g >= 1
@@ -123,6 +122,7 @@ def test_sampled_parts_draw_with_their_own_keys():
     np.testing.assert_array_equal(shared.tokens, alone[0].tokens)
     differ += int(np.sum(np.any(chains[:, :, 0] != chains[:, :, 1], axis=1)))
   assert differ >= 8, differ  # of 24 pairs of chains
+
 
 def test_union_refuses_what_it_cannot_join():
   with pytest.raises(ValueError, match="at least two"):
