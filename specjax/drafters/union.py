@@ -31,6 +31,13 @@ Exactness.
   rejection step and change the residual: a union with `merge` whose parts
   sample is `lossy` (the exactness tests' negative control).
 
+Size. The tree holds up to (number of parts) x k nodes, all verified in the
+round's one forward. On the CPU that forward's cost steps at the
+batch-invariant forward's tile (bfloat16: 5 rows), so two parts at k = 2
+(root + 4 nodes) verify in one tile and at k = 3 in two: on SmolLM2 the k = 3
+union accepted more (tau 2.08 against 1.93) and ran slower (0.97x against
+1.32x over AR; experiments/results/README.md, headline, session 39).
+
 Parts must be chain drafters that do not write into the target's cache
 (layer skip and Lookahead run the target's own layers inside `propose`) and
 that do not take the accepted tokens for their own guesses (a draft model
