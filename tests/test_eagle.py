@@ -259,6 +259,17 @@ def _live_and_fresh(m, drafter, dparams, state, seed):
   return live, _fresh_proposal(m, drafter, dparams, state, ctx, keys)
 
 
+def _live_matches_fresh(m, drafter, dparams, state, seed, must_match, label) -> bool:
+  """Whether the live state's next proposal (tokens and q) is a fresh
+  prefill's; asserted when `must_match` (a negative control only records it)."""
+  live, fresh = _live_and_fresh(m, drafter, dparams, state, seed)
+  if must_match:
+    np.testing.assert_array_equal(live.tokens, fresh.tokens, err_msg=label)
+    np.testing.assert_allclose(live.q, fresh.q, atol=1e-5, err_msg=label)
+  return (np.array_equal(np.asarray(live.tokens), np.asarray(fresh.tokens)) and
+          np.allclose(np.asarray(live.q), np.asarray(fresh.q), atol=1e-5))
+
+
 @pytest.mark.parametrize("name", ["eagle", "eagle3", "eagle3_l2"])
 def test_state_equals_a_fresh_prefill_after_every_kind_of_round(trained, tiny_target, name):
   m = tiny_target
@@ -277,13 +288,8 @@ def test_state_equals_a_fresh_prefill_after_every_kind_of_round(trained, tiny_ta
       before = np.asarray(state.length)
       state = _forced_round(m.params, m.cfg, drafter, dparams, state, n)
       assert (np.asarray(state.length) - before).tolist() == [n + 1] * 2, label
-      live, fresh = _live_and_fresh(m, drafter, dparams, state, 100 + i)
-      same = (np.array_equal(np.asarray(live.tokens), np.asarray(fresh.tokens)) and
-              np.allclose(np.asarray(live.q), np.asarray(fresh.q), atol=1e-5))
-      if must_match:
-        np.testing.assert_array_equal(live.tokens, fresh.tokens, err_msg=label)
-        np.testing.assert_allclose(live.q, fresh.q, atol=1e-5, err_msg=label)
-      mismatches.append(not same)
+      mismatches.append(not _live_matches_fresh(m, drafter, dparams, state, 100 + i,
+                                                must_match, label))
     if not must_match:  # the control is caught once a round accepted guesses
       assert any(mismatches[1:]), mismatches
 
@@ -341,14 +347,9 @@ def test_union_part_state_equals_a_fresh_prefill_after_paths_another_part_drafte
       before = np.asarray(state.length)
       state = _tree_round(m.params, m.cfg, union, params, spec, state)
       accepted |= set((np.asarray(state.length) - before - 1).tolist())
-      live, fresh = _live_and_fresh(m, part, dparams, state.replace(drafter=state.drafter[1]),
-                                    100 + i)
-      same = (np.array_equal(np.asarray(live.tokens), np.asarray(fresh.tokens)) and
-              np.allclose(np.asarray(live.q), np.asarray(fresh.q), atol=1e-5))
-      if must_match:
-        np.testing.assert_array_equal(live.tokens, fresh.tokens, err_msg=f"round {i}")
-        np.testing.assert_allclose(live.q, fresh.q, atol=1e-5, err_msg=f"round {i}")
-      mismatches.append(not same)
+      mismatches.append(not _live_matches_fresh(
+          m, part, dparams, state.replace(drafter=state.drafter[1]), 100 + i, must_match,
+          f"round {i}"))
     if must_match:
       assert len(accepted - {0}) > 1, accepted  # paths of different lengths were followed
     else:

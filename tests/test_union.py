@@ -104,21 +104,21 @@ def test_sampled_parts_draw_with_their_own_keys():
   ctx = Context(history=state.history, length=state.length, prompt_len=state.prompt_len,
                 active=~state.done)
   target = Target(PARAMS, CFG)
-  propose = jax.jit(lambda d, s, keys: d.draft(params[0] if d is part else params, target, s,
-                                               ctx, keys)[0], static_argnums=0)
+  propose = jax.jit(lambda d, p, s, keys: d.draft(p, target, s, ctx, keys)[0], static_argnums=0)
   differ = 0
   for r in range(8):  # 8 rounds' keys x 3 rows
     keys = batch_lib.purpose_keys(state.keys, batch_lib.DRAFT, jnp.int32(r))
-    tree = propose(union, state.drafter, keys)
+    tree = propose(union, params, state.drafter, keys)
     assert tree.num_proposed.tolist() == [6] * len(PROMPTS)  # two branches of 3, apart
     chains = np.asarray(tree.tokens)[:, :6].reshape(-1, 3, 2)  # depth-major -> (B, depth, part)
-    alone = [propose(part, state.drafter[0], keys),
-             propose(part, state.drafter[1], jax.vmap(jax.random.fold_in, (0, None))(keys, 1))]
+    alone = [propose(part, head, state.drafter[0], keys),
+             propose(part, head, state.drafter[1],
+                     jax.vmap(jax.random.fold_in, (0, None))(keys, 1))]
     q = np.asarray(tree.q)[:, :6].reshape(len(PROMPTS), 3, 2, -1)  # q travels with its node
     for g in range(2):
       np.testing.assert_array_equal(chains[:, :, g], alone[g].tokens)
       np.testing.assert_array_equal(q[:, :, g], alone[g].q)
-    shared = propose(part, state.drafter[1], keys)  # the control: part 1 on part 0's keys
+    shared = propose(part, head, state.drafter[1], keys)  # the control: part 1 on part 0's keys
     np.testing.assert_array_equal(shared.tokens, alone[0].tokens)
     differ += int(np.sum(np.any(chains[:, :, 0] != chains[:, :, 1], axis=1)))
   assert differ >= 8, differ  # of 24 pairs of chains
