@@ -51,7 +51,11 @@ def probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
   logits = logits.astype(jnp.float32)
   if cfg.greedy:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-  logits = logits / cfg.temperature
+  # Shifted by the row's max before the division: at a tiny temperature
+  # logits / T reaches ~1e11, where one ulp is ~1e4 and a max and an element
+  # rounded in different fusions differ by far more than exp's range (inf / inf
+  # = NaN, silently drawn as token 0); shifted, the top token is exactly 0.
+  logits = (logits - jnp.max(logits, axis=-1, keepdims=True)) / cfg.temperature
   if cfg.top_k and cfg.top_k < logits.shape[-1]:
     # The k-th largest as the min of the top-k values: slicing it out of
     # `top_k`'s output makes XLA CPU lower `top_k` as a full sort (~10 ms a

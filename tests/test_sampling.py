@@ -28,6 +28,19 @@ def test_temperature_scales_logits(temperature):
   np.testing.assert_allclose(p, _softmax(np.asarray(LOGITS) / temperature), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("temperature", [1e-10, 1e-30])
+def test_a_tiny_temperature_is_the_greedy_limit_under_jit(temperature):
+  # logits / T near 1e11 used to round differently in the max and in the
+  # element (one ulp ~1e4 there): exp overflowed, softmax gave NaN and the
+  # inverse CDF silently drew token 0. The limit is the argmax's one-hot.
+  logits = jnp.array([[-11.8, 13.79, 3.0, 13.5], [40.0, -35.0, 12.0, 39.9]], jnp.float32)
+  cfg = SamplingConfig(temperature=temperature)
+  p = jax.jit(lambda x: sampling.probs(x, cfg))(logits)
+  np.testing.assert_array_equal(p, np.eye(4, dtype=np.float32)[[1, 0]])
+  u = jnp.array([0.0, 0.999], jnp.float32)
+  np.testing.assert_array_equal(sampling.inverse_cdf(p, u), [1, 0])
+
+
 def test_top_k_keeps_the_k_largest():
   p = sampling.probs(LOGITS, SamplingConfig(top_k=2))
   assert _support(p) == {1, 4}
