@@ -77,9 +77,14 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
   require(c, GenerateSettings, "runner.generate")
   sampling = c.sampling
   methods = ("ar",) + registry.available_methods()
-  if c.method != "ar" and not registry.is_method(c.method):
-    raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)} "
-                           "(or several joined by '+')")
+  if c.method != "ar":
+    try:  # 'name@field=value...': the method's own fields, checked before any work
+      base, _ = registry.method_config(c.method, c.drafter)
+    except ValueError as e:
+      raise ConfigValueError(str(e)) from e
+    if not registry.is_method(base):
+      raise ConfigValueError(f"unknown method {c.method!r}; available: {', '.join(methods)} "
+                             "(or several joined by '+')")
   inv = invariant_lib.resolve(c.batch_invariant, c.dtype, bool(c.mesh))
   model = model or load_model(c.model, c.dtype, batch_invariant=inv,
                               invariant_tile=c.invariant_tile)

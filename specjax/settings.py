@@ -25,6 +25,7 @@ from typing import Any, Dict
 
 from specjax import sampling as sampling_lib
 from specjax.drafters.settings import DrafterSettings, config_field, sampling_of
+from specjax.errors import ConfigValueError
 
 _NESTED = (sampling_lib.SamplingConfig, DrafterSettings)
 
@@ -56,6 +57,14 @@ class RunSettings:
       return dataclasses.replace(config, **overrides) if overrides else config
     if isinstance(config, RunSettings):  # another run's settings: by their flat names
       config = config.flat()
+    elif type(config) is dict:  # pylint: disable=unidiomatic-typecheck
+      # A plain dict is checked here (a ConfigDict is checked by its flags): a
+      # misspelled key would otherwise run the default silently.
+      unknown = sorted(set(config) - cls.dict_fields())
+      if unknown:
+        raise ConfigValueError(f"{cls.__name__}: unknown setting(s) "
+                               f"{', '.join(map(repr, unknown))}; settings: "
+                               f"{', '.join(sorted(cls.dict_fields()))}")
     values = {}
     for f in dataclasses.fields(cls):
       kind = _nested_kind(cls, f.name)
@@ -84,6 +93,16 @@ class RunSettings:
       elif kind is None:
         out[f.name] = default
     return out
+
+  @classmethod
+  def dict_fields(cls) -> frozenset:
+    """The keys a plain-dict config of these settings may hold: the flat
+    field names, a DrafterSettings field's drafter fields included."""
+    names = set(cls.config_defaults())
+    for f in dataclasses.fields(cls):
+      if _nested_kind(cls, f.name) is DrafterSettings:
+        names |= {d.name for d in dataclasses.fields(DrafterSettings)}
+    return frozenset(names)
 
   @classmethod
   def field_type(cls, name: str):

@@ -2,6 +2,7 @@
 in-process (reusing the session's model), and experiments/generate.py as a
 subprocess, the way the README runs it."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -12,6 +13,7 @@ import pytest
 
 from specjax import runner
 from specjax.drafters.settings import DrafterSettings
+from specjax.errors import ConfigValueError
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +69,13 @@ def test_generate_takes_its_settings_dataclass(smollm2):
   out = runner.generate(settings, model=smollm2)
   assert out["method"] == "prompt_lookup" and 0 < out["new_tokens"] <= 8
   assert out["answer"] == runner.generate_from_config(c, model=smollm2)["answer"]
+  # A method's own '@' fields override the drafter settings (k = 3 again: the
+  # programs above are reused), and a field the method does not have is refused.
+  at = runner.generate(dataclasses.replace(settings, method="prompt_lookup@k=3",
+                                           drafter=DrafterSettings(k=5)), model=smollm2)
+  assert at["answer"] == out["answer"]
+  with pytest.raises(ConfigValueError, match="unknown field 'bogus'"):
+    runner.generate(dataclasses.replace(settings, method="prompt_lookup@bogus=1"), model=smollm2)
   with pytest.raises(TypeError, match="GenerateSettings"):
     runner.generate(c, model=smollm2)
 
@@ -76,6 +85,16 @@ def test_config_defaults_are_the_settings_defaults():
   assert runner.GenerateSettings.of(smollm2_config.get_config()) == runner.GenerateSettings()
   sample = runner.GenerateSettings.of(smollm2_config.get_config("sample"))
   assert (sample.sampling.temperature, sample.sampling.top_p) == (0.7, 0.9)
+
+
+def test_a_plain_dict_config_refuses_an_unknown_key():
+  """A ConfigDict's flags refuse a misspelled field; a plain dict is checked
+  by the settings (it would otherwise run the default silently)."""
+  s = runner.GenerateSettings.of({"temperature": 0.7, "max_new_tokens": 5, "method": "eagle",
+                                  "k": 2})
+  assert (s.sampling.temperature, s.max_new_tokens, s.method, s.drafter.k) == (0.7, 5, "eagle", 2)
+  with pytest.raises(ConfigValueError, match="unknown setting.*'max_new_token', 'tempreature'"):
+    runner.GenerateSettings.of({"tempreature": 0.7, "max_new_token": 5})
 
 
 def test_config_variants():

@@ -145,7 +145,20 @@ def method_config(method: str, config) -> tuple[str, DrafterSettings]:
   """(base method name, its DrafterSettings: the config's fields with the
   method's own '@' values applied)."""
   base, overrides = parse_method(method)
+  if type(config) is dict:  # pylint: disable=unidiomatic-typecheck
+    # A plain dict is checked here (a run's ConfigDict is checked by its
+    # flags): a misspelled key would otherwise run the method's defaults.
+    unknown = sorted(set(config) - DICT_FIELDS)
+    if unknown:
+      raise ValueError(f"method {method!r}: unknown setting(s) {', '.join(map(repr, unknown))}; "
+                       f"drafter settings: {', '.join(sorted(DICT_FIELDS))}")
   return base, DrafterSettings.of(config, overrides)
+
+
+# The keys a plain-dict drafter config may hold: the drafter's fields, the
+# sampling settings (`sampling_of`) and the method's name.
+DICT_FIELDS = frozenset(f.name for f in dataclasses.fields(DrafterSettings)) | {
+    "temperature", "top_k", "top_p", "method"}
 
 
 def config_field(config, name: str, default=None):
