@@ -227,6 +227,18 @@ def test_loads_transformers_model(tmp_path, tie):
 # Errors
 
 
+def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path):
+  """load_model(HF dir, tokenizer_from=...) checks the pair: SmolLM2's 49,152
+  tokens against a model of fewer rows would index past its embedding."""
+  from specjax.errors import ConfigValueError  # pylint: disable=import-outside-toplevel
+  from specjax.io.load import load_model  # pylint: disable=import-outside-toplevel
+  path, _, cfg = saved(tmp_path)
+  assert cfg.vocab_size < 49152
+  with pytest.raises(ConfigValueError, match=f"49152 tokens but the model's vocabulary has "
+                     f"{cfg.vocab_size}"):
+    load_model(path, tokenizer_from="smollm2-135m")
+
+
 def test_missing_directory(tmp_path):
   with pytest.raises(HFFormatError, match="directory not found"):
     load_hf(str(tmp_path / "nope"))

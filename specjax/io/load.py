@@ -61,10 +61,21 @@ def load_model(name_or_path: str, dtype: Optional[str] = None,
     params, cfg = hf.load_hf(name_or_path, dtype=dtype)
     cfg = cfg.replace(**inv)
     tok = tokenizer_lib.load_tokenizer(tokenizer_from) if tokenizer_from else None
+    _check_vocab(tok, cfg, f"tokenizer_from={tokenizer_from!r}", name_or_path)
     return Model(params, cfg, tok, name_or_path)
   path = gguf_io.resolve_model_path(name_or_path)
   reader = gguf_io.open_gguf(path)
   cfg = gguf_io.read_config(reader, path).replace(dtype=dtype, **inv)
   tok = tokenizer_lib.tokenizer_from_gguf(reader, path)
+  _check_vocab(tok, cfg, "its tokenizer", path)
   params = gguf_io.load_params(reader, cfg, path)
   return Model(params, cfg, tok, path)
+
+
+def _check_vocab(tok: Optional[tokenizer_lib.Tokenizer], cfg: ModelConfig, what: str,
+                 source: str) -> None:
+  """A tokenizer may have fewer tokens than the model's embedding rows (padded
+  vocabularies), never more: its ids past the rows would read no embedding."""
+  if tok is not None and tok.vocab_size > cfg.vocab_size:
+    raise ConfigValueError(f"{source}: {what} has {tok.vocab_size} tokens but the model's "
+                           f"vocabulary has {cfg.vocab_size}: the tokenizer is not this model's")
