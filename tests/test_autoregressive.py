@@ -98,3 +98,10 @@ def test_prompt_longer_than_cache_is_refused(params):
     ar.generate(params, CFG, PROMPTS, max_new_tokens=0)
   with pytest.raises(ValueError, match="at least one token"):
     ar.generate(params, CFG, [[]], max_new_tokens=3)
+  # Ids outside the vocabulary would be wrapped or clamped by the embedding
+  # gather; fractional ids truncated: both refused, by prompt and position.
+  for prompt, match in (([1, 2, -1], "prompt 1: token id -1 at position 2"),
+                        ([1, CFG.vocab_size], f"prompt 1: token id {CFG.vocab_size} at position 1"),
+                        ([1, 2.5], "prompt 1: token ids must be a flat list of integers")):
+    with pytest.raises(ValueError, match=match):
+      ar.generate(params, CFG, [[3, 4], prompt], max_new_tokens=3)

@@ -64,3 +64,10 @@ def test_bad_requests_are_refused(model):
   with pytest.raises(ValueError, match="refill"):
     list(continuous.generate(params, CFG, [(0, [3])], batch_size=2, refill=3, max_new_tokens=4,
                              max_prompt_tokens=32))
+  with pytest.raises(ValueError, match=f"request 4: token id {CFG.vocab_size} at position 1"):
+    list(continuous.generate(params, CFG, [(4, [3, CFG.vocab_size])], batch_size=2,
+                             max_new_tokens=4, max_prompt_tokens=32))
+  for run in (continuous.generate, continuous.generate_bucketed):
+    with pytest.raises(ValueError, match="request id 1 repeats"):
+      list(run(params, CFG, [(1, [3]), (1, [4] * 20)], batch_size=2, max_new_tokens=4,
+               max_prompt_tokens=32))

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.errors import BadInputError
 from specjax.models.cache import check_capacity, round_up
 from specjax.models.config import ModelConfig
 
@@ -42,13 +43,18 @@ def prompt_bucket(length: int, minimum: int = 8) -> int:
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
-                bucket: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
-  """Right-pad token lists to one (B, T) array; returns (tokens, lengths)."""
+                bucket: Optional[int] = None,
+                vocab_size: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+  """Right-pad token lists to one (B, T) array; returns (tokens, lengths).
+  Token ids must be integers, in [0, vocab_size) when `vocab_size` is given
+  (an id past the embedding rows would be clamped or wrapped silently)."""
   if not prompts:
     raise ValueError("no prompts given")
   lengths = np.array([len(p) for p in prompts], np.int32)
   if lengths.min() < 1:
     raise ValueError("every prompt needs at least one token")
+  for i, p in enumerate(prompts):
+    check_token_ids(p, vocab_size, f"prompt {i}")
   width = bucket or prompt_bucket(int(lengths.max()))
   if width < lengths.max():
     raise ValueError(f"bucket {width} is shorter than the longest prompt ({lengths.max()})")
@@ -56,6 +62,19 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = np.asarray(p, np.int32)
   return tokens, lengths
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: Optional[int], what: str) -> None:
+  """BadInputError unless `ids` is a flat sequence of integers in [0, vocab_size)
+  (only >= 0 when vocab_size is None); the message names `what` and the position."""
+  row = np.asarray(ids)
+  if row.ndim != 1 or not np.issubdtype(row.dtype, np.integer):
+    raise BadInputError(f"{what}: token ids must be a flat list of integers, got "
+                        f"{row.dtype} values of shape {row.shape}")
+  bad = np.flatnonzero((row < 0) | (row >= vocab_size)) if vocab_size else np.flatnonzero(row < 0)
+  if bad.size:
+    raise BadInputError(f"{what}: token id {int(row[bad[0]])} at position {int(bad[0])} is "
+                        f"outside the vocabulary [0, {vocab_size or 'vocab_size'})")
 
 
 def cache_size(cfg: ModelConfig, prompt_width: int, max_prompt_len: int,

@@ -103,8 +103,9 @@ def generate(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Sequence[in
 
   Args:
     requests: (request id, prompt token ids[, token limit]); ids key the
-      randomness and must be distinct. Prompts longer than `max_prompt_tokens`
-      and limits outside 1..max_new_tokens raise ValueError.
+      randomness and must be distinct. Prompts longer than `max_prompt_tokens`,
+      token ids outside the vocabulary, limits outside 1..max_new_tokens and a
+      repeated id raise ValueError (when the request is taken).
     batch_size: rows decoded together.
     max_new_tokens: the largest token limit of a request, and the default
       (EOS ends a request earlier; it is kept).
@@ -128,6 +129,7 @@ def generate(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Sequence[in
   occupant: List[Optional[int]] = [None] * batch_size
   queue = iter(requests)
   pending: List[Tuple[int, List[int], int]] = []
+  seen = set()
   exhausted = False
   t0 = time.perf_counter()
 
@@ -146,6 +148,10 @@ def generate(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Sequence[in
       if not 1 <= limit <= max_new_tokens:
         raise ValueError(f"request {rid}: token limit {limit}; expected 1..{max_new_tokens} "
                          "(max_new_tokens)")
+      batch_lib.check_token_ids(prompt, cfg.vocab_size, f"request {rid}")
+      if int(rid) in seen:  # its result would be indistinguishable, its draws the same
+        raise ValueError(f"request id {rid} repeats: request ids must be distinct")
+      seen.add(int(rid))
       pending.append((int(rid), list(prompt), limit))
     out = pending[:n]
     del pending[:n]
@@ -178,7 +184,7 @@ def generate(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Sequence[in
       pad = refill - len(group)
       prompts = [p for _, p, _ in group] + [[cfg.pad_id]] * pad
       ids = [rid for rid, _, _ in group] + [0] * pad
-      tokens, lengths = batch_lib.pad_prompts(prompts, cfg.pad_id)
+      tokens, lengths = batch_lib.pad_prompts(prompts, cfg.pad_id, vocab_size=cfg.vocab_size)
       keys = batch_lib.request_keys(root, jnp.asarray(ids, jnp.int32))
       limits = jnp.asarray([lim for _, _, lim in group] + [1] * pad, jnp.int32)
       new = ar.prefill(params, cfg, keys, jnp.asarray(tokens), jnp.asarray(lengths), limits,
@@ -213,8 +219,11 @@ def generate_bucketed(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Se
   materialised to be grouped; each keeps its id, so its tokens do not depend
   on the bucket it ran in (up to the rounding of batched matmuls under
   greedy decoding). Same arguments as `generate`."""
-  groups = {}
+  groups, seen = {}, set()
   for req in requests:
+    if int(req[0]) in seen:  # `generate` checks within a bucket; this, across them
+      raise ValueError(f"request id {req[0]} repeats: request ids must be distinct")
+    seen.add(int(req[0]))
     width = min(batch_lib.prompt_bucket(len(req[1])), max_prompt_tokens)
     groups.setdefault(width, []).append(req)
   for width in sorted(groups):
