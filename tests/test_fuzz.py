@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from specjax import errors
 from specjax import sampling as sampling_lib
 from specjax.testing import fuzz
+from specjax.testing import fuzz_inputs
 from specjax.benchmarks import questions
 from specjax.drafters import registry
 from specjax.io import gguf as gguf_io
@@ -179,6 +180,29 @@ def test_checkpoint_nan_and_damage(seeds, tmp_path):
   (bad / checkpoints.CARD).write_text('{"method": "medusa"}')
   with pytest.raises(checkpoints.CheckpointError, match="parameters .* are missing"):
     checkpoints.load_drafter(str(bad))
+
+
+def test_a_failed_overwrite_keeps_the_checkpoint(tmp_path):
+  """save_drafter writes the new parameters beside the old ones: a save that
+  fails (here a leaf orbax cannot store) leaves the old checkpoint loadable and
+  its other files in place; a save that succeeds replaces it."""
+  card = {"method": "medusa", "target_fingerprint": "0123456789abcdef"}
+  path = str(tmp_path / "ckpt")
+  first = fuzz_inputs.tiny_drafter_params()
+  checkpoints.save_drafter(path, first, card)
+  (tmp_path / "ckpt" / "README.md").write_text("the card for readers")
+  bad = fuzz_inputs.tiny_drafter_params()
+  bad["layers"][0]["a"] = np.array([object()])
+  with pytest.raises(checkpoints.CheckpointError, match="cannot save the parameters.*unchanged"):
+    checkpoints.save_drafter(path, bad, dict(card, run=2))
+  params, got = checkpoints.load_drafter(path)
+  assert got == card and sorted(os.listdir(path)) == ["README.md", "card.json", "params"]
+  np.testing.assert_array_equal(params["layers"][0]["a"], first["layers"][0]["a"])
+  second = {**first, "layers": [{"a": first["layers"][0]["a"] + 1}]}
+  checkpoints.save_drafter(path, second, dict(card, run=3))
+  params, got = checkpoints.load_drafter(path)
+  assert got["run"] == 3 and sorted(os.listdir(path)) == ["README.md", "card.json", "params"]
+  np.testing.assert_array_equal(params["layers"][0]["a"], second["layers"][0]["a"])
 
 
 @pytest.mark.parametrize("line, match", [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from typing import Any, Tuple
 
 import jax
@@ -45,23 +46,39 @@ def target_fingerprint(params, cfg) -> str:
 def save_drafter(path: str, params, card: dict) -> None:
   """Write params (orbax) and the card (must hold 'method' and 'target_fingerprint').
 
-  The card goes last and an old one first: a write killed midway leaves a
-  directory without a card (an error to load, redone by rerunning), never an
-  old card beside new parameters."""
+  The new parameters are written beside the old ones (`params.new`) and swapped
+  in once complete, the card last: a save that fails leaves the previous
+  checkpoint as it was; one killed during the swap leaves a directory without a
+  card (an error to load, redone by rerunning), never an old card beside new
+  parameters. Other files of the directory (a README) are kept."""
   for field in ("method", "target_fingerprint"):
     if field not in card:
       raise ValueError(f"drafter card needs {field!r}")
   path = os.path.abspath(path)
   os.makedirs(path, exist_ok=True)
-  if os.path.exists(os.path.join(path, CARD)):
-    os.remove(os.path.join(path, CARD))
-  target = os.path.join(path, PARAMS)
+  target, new, old = (os.path.join(path, PARAMS + suffix) for suffix in ("", ".new", ".old"))
+  for stale in (new, old):  # left by an earlier save that was killed
+    if os.path.exists(stale):
+      shutil.rmtree(stale)
   ckptr = ocp.StandardCheckpointer()
-  ckptr.save(target, jax.device_get(params), force=True)
-  ckptr.wait_until_finished()
+  try:
+    ckptr.save(new, jax.device_get(params))
+    ckptr.wait_until_finished()
+  except Exception as e:  # orbax / tensorstore raise many types (e.g. a non-numeric leaf)
+    shutil.rmtree(new, ignore_errors=True)
+    shutil.rmtree(new + ".orbax-checkpoint-tmp", ignore_errors=True)
+    raise CheckpointError(f"{path}: cannot save the parameters ({type(e).__name__}: {e}); "
+                          "the checkpoint there is unchanged") from e
   with open(os.path.join(path, CARD + ".tmp"), "w") as f:
     json.dump(card, f, indent=1)
+  if os.path.exists(os.path.join(path, CARD)):
+    os.remove(os.path.join(path, CARD))
+  if os.path.exists(target):
+    os.replace(target, old)
+  os.replace(new, target)
   os.replace(os.path.join(path, CARD + ".tmp"), os.path.join(path, CARD))
+  if os.path.exists(old):
+    shutil.rmtree(old)
 
 
 def read_card(path: str) -> dict:
