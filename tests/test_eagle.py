@@ -15,7 +15,7 @@ import pytest
 from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
-from specjax.drafters import eagle, eagle_tree
+from specjax.drafters import chain, eagle, eagle_tree
 from specjax.drafters.base import Context, Target
 from specjax.drafters.replay import Replay, replay_params
 from specjax.drafters.union import Union
@@ -384,6 +384,16 @@ def test_draft_vocabulary_is_chosen_at_load(trained, tiny_target):
   del raw["vocab_rank"]
   with pytest.raises(ValueError, match="token ranking"):
     eagle.with_draft_vocab(raw, 5, cfg)
+
+
+def test_a_draft_vocabulary_cannot_grow_past_the_trained_one(tiny_target):
+  """A head trained on 8 tokens asked for 24 would run with its 8 while the
+  run's records said 24: refused by name; 8 or fewer narrow it."""
+  cfg, rank, within = tiny_target.cfg, np.arange(32)[::-1], np.arange(8)
+  assert chain.ranked_vocab(rank, 8, cfg, within).tolist() == list(range(8))
+  assert len(chain.ranked_vocab(rank, 4, cfg, within)) == 4
+  with pytest.raises(ValueError, match="draft_vocab=24: this drafter was trained on 8 tokens"):
+    chain.ranked_vocab(rank, 24, cfg, within)
 
 
 def test_head_initialised_from_a_target_layer(tiny_target):

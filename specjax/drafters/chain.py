@@ -167,6 +167,10 @@ def ranked_vocab(rank, n: int, cfg, within=None) -> jax.Array:
                      "this drafter has none: use 'full' or its own vocabulary")
   rank = np.asarray(rank)
   if within is not None:
+    if n > len(within):  # more tokens than the drafter's head has rows
+      raise ValueError(f"draft_vocab={n}: this drafter was trained on {len(within)} tokens and "
+                       "its vocabulary can only be narrowed ('full' or at most "
+                       f"{len(within)})")
     rank = rank[np.isin(rank, np.asarray(within))]
   keep = [int(x) for x in rank[:n]]
   if cfg.eos_id >= 0 and cfg.eos_id not in keep:
