@@ -3,9 +3,11 @@ by id; and the datasets' reference answers in the same record format."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 
+from specjax.errors import ConfigValueError, MalformedFileError
 from specjax.training import distill_data
 
 pytestmark = pytest.mark.slow  # the real model
@@ -42,6 +44,34 @@ def test_generate_is_deterministic_and_resumes(smollm2, tmp_path):
     assert "b.jsonl:1: malformed record" in str(e)
   else:
     raise AssertionError("a truncated record was accepted")
+  # resuming a file another model wrote is refused before any work, the file kept
+  (tmp_path / "b.jsonl").write_text(whole)
+  with pytest.raises(ConfigValueError, match=r"model\(s\) smollm2-135m, not 'other-model'"):
+    distill_data.generate_dataset(smollm2, str(tmp_path / "b.jsonl"), num_examples=6,
+                                  model_name="other-model", **kw)
+  assert (tmp_path / "b.jsonl").read_text() == whole
+
+
+GOOD = {"id": "alpaca/1", "split": "train", "prompt": [1, 2], "answer": [3, 2]}
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({k: v for k, v in GOOD.items() if k != "answer"}, "'answer' must be a list of token ids"),
+    ([1, 2, 3], "expected a JSON object, got list"),
+    (dict(GOOD, prompt="hello"), "'prompt' must be a list of token ids"),
+    (dict(GOOD, prompt=[]), "'prompt' must be a list of token ids"),
+    (dict(GOOD, split="Train"), "'split' must be 'train' or 'valid', got 'Train'"),
+    (dict(GOOD, answer=[3.5, "x"]), "'answer' must be a list of token ids"),
+    (dict(GOOD, answer=[3, -1]), "'answer' must be a list of token ids"),
+    (dict(GOOD, id=7), "'id' must be a string, got 7"),
+])
+def test_a_record_without_the_fields_training_reads_is_refused(tmp_path, bad, match):
+  path = tmp_path / "d.jsonl"
+  path.write_text(json.dumps(GOOD) + "\n" + json.dumps(bad) + "\n")
+  with pytest.raises(MalformedFileError, match="d.jsonl: record 2.*" + re.escape(match)):
+    distill_data.read_records(str(path))
+  path.write_text(json.dumps(GOOD) + "\n" + json.dumps(dict(GOOD, id="alpaca/2", answer=[])) + "\n")
+  assert len(distill_data.read_records(str(path))) == 2  # an empty answer is allowed
 
 
 def test_reference_answers(smollm2):

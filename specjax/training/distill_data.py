@@ -31,6 +31,7 @@ import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax.decoding import continuous
+from specjax.errors import ConfigValueError, MalformedFileError
 from specjax.io import jsonl
 from specjax.training import decontaminate as decontaminate_lib
 
@@ -122,8 +123,31 @@ def _turns(queues: Sequence[Sequence]) -> list:
 def read_records(path: str) -> List[dict]:
   """The data set's whole records. A run killed mid-write leaves a cut-short
   last line: it is dropped (and cut from the file), and the resumed run
-  generates that example again; a malformed line before it is an error."""
-  return jsonl.read(path)
+  generates that example again; a malformed line before it, or a record
+  without the fields training reads, is an error (MalformedFileError)."""
+  records = jsonl.read(path)
+  for n, r in enumerate(records, 1):
+    check_record(r, f"{path}: record {n}")
+  return records
+
+
+def check_record(r, where: str) -> None:
+  """MalformedFileError (naming `where` and the field) unless `r` is a record
+  of the module docstring's form: a str id, split train / valid, a non-empty
+  prompt and an answer of non-negative integer token ids."""
+  if not isinstance(r, dict):
+    raise MalformedFileError(f"{where}: expected a JSON object, got {type(r).__name__}")
+  if not isinstance(r.get("id"), str):
+    raise MalformedFileError(f"{where}: 'id' must be a string, got {r.get('id')!r}")
+  if r.get("split") not in ("train", "valid"):
+    raise MalformedFileError(f"{where} ({r['id']}): 'split' must be 'train' or 'valid', got "
+                             f"{r.get('split')!r}")
+  for field, least in (("prompt", 1), ("answer", 0)):
+    ids = r.get(field)
+    if not (isinstance(ids, list) and len(ids) >= least and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+      raise MalformedFileError(f"{where} ({r['id']}): {field!r} must be a list of token ids "
+                               f"(non-negative integers{', at least one' if least else ''})")
 
 
 def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: int,
@@ -147,7 +171,12 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
   progress = progress or (lambda s: None)
   tok = model.tokenizer
   chosen = interleave(sources, load_instructions(sources, data_dir), num_examples, seed)
-  done = {r["id"] for r in read_records(path)}
+  existing = read_records(path)
+  others = sorted({str(r.get("model")) for r in existing} - {model_name})
+  if others:  # another model's answers (and token ids) are not this one's to distil
+    raise ConfigValueError(f"{path} holds answers of model(s) {', '.join(others)}, not "
+                           f"{model_name!r}: write this model's data to another file")
+  done = {r["id"] for r in existing}
   coin = np.random.default_rng(seed).random(len(chosen))
   greedy = sampling_lib.GREEDY
   sampled = sampling_lib.SamplingConfig(temperature=temperature, top_p=top_p)
