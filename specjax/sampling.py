@@ -11,6 +11,7 @@ acceptance rule sees.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Tuple
 
@@ -33,7 +34,7 @@ class SamplingConfig:
         raise ConfigValueError(f"{name} must be a number, got {value!r}")
     if not 0 <= self.temperature < float("inf"):  # also rejects NaN
       raise ConfigValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
-    if int(self.top_k) != self.top_k or self.top_k < 0:
+    if not math.isfinite(self.top_k) or int(self.top_k) != self.top_k or self.top_k < 0:
       raise ConfigValueError(f"top_k must be a non-negative integer, got {self.top_k}")
     if not 0.0 < self.top_p <= 1.0:
       raise ConfigValueError(f"top_p must be in (0, 1], got {self.top_p}")

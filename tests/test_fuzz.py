@@ -236,6 +236,7 @@ def test_prompt_file_errors_name_file_and_line(tmp_path, line, match):
     ({"k": -1}, "draft length k must be an integer >= 1"),
     ({"k": 0}, "draft length k must be an integer >= 1"),
     ({"k": "3"}, "draft length k must be an integer >= 1"),
+    ({"k": True}, "draft length k must be an integer >= 1"),
     ({"method": "prompt_lookup@bogus=1"}, "unknown field 'bogus'"),
     ({"max_ngrams": 5, "kk": 2}, "unknown setting.*'kk', 'max_ngrams'"),
     ({"method": "draft_model", "draft_model": "self:0"}, "self:N"),

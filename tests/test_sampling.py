@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from specjax import sampling
+from specjax.errors import ConfigValueError
 from specjax.sampling import SamplingConfig
 
 
@@ -157,9 +158,11 @@ def test_greedy_ignores_top_k_and_top_p():
     (dict(top_k=-1), "top_k"),
     (dict(top_k=1.5), "top_k"),
     (dict(top_k=True), "top_k"),
+    (dict(top_k=float("inf")), "top_k"),
+    (dict(top_k=float("nan")), "top_k"),
 ])
 def test_invalid_settings_raise_naming_the_field(kwargs, field):
-  with pytest.raises(ValueError, match=field):
+  with pytest.raises(ConfigValueError, match=field):
     SamplingConfig(**kwargs)
 
 

@@ -95,7 +95,7 @@ class Drafter:
   k: int
 
   def __post_init__(self):
-    if not isinstance(self.k, int) or self.k < 1:
+    if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 1:
       raise ValueError(f"draft length k must be an integer >= 1, got {self.k!r}")
 
   # Whether `propose` returns a tree (a `Proposal` with `parent`); k is then
