@@ -240,7 +240,8 @@ def test_prompt_file_errors_name_file_and_line(tmp_path, line, match):
     ({"method": "prompt_lookup@bogus=1"}, "unknown field 'bogus'"),
     ({"max_ngrams": 5, "kk": 2}, "unknown setting.*'kk', 'max_ngrams'"),
     ({"method": "draft_model", "draft_model": "self:0"}, "self:N"),
-    ({"method": "layer_skip", "layers": "a-b"}, "layer"),
+    ({"method": "layer_skip", "layers": "a-b"}, "layers='a-b': expected a layer string"),
+    ({"method": "layer_skip", "layers": "abc"}, "layers='abc': expected a layer string"),
 ])
 def test_bad_settings(seeds, config, match):
   config = {"method": "prompt_lookup", **config}

@@ -23,6 +23,17 @@ from specjax.models import transformer
 
 def parse_layers(spec, num_layers: int) -> Tuple[int, ...]:
   """'0-11' / '0,2,4' / 'every2' / (0, 1, 2) -> sorted layer tuple."""
+  try:
+    layers = _layer_list(spec, num_layers)
+  except (TypeError, ValueError):
+    raise ValueError(f"layers={spec!r}: expected a layer string such as '0-11', '0,2,4' or "
+                     "'every2', or a list of layer indices") from None
+  if not layers or any(not 0 <= i < num_layers for i in layers):
+    raise ValueError(f"layer subset {spec!r} must name layers in [0, {num_layers})")
+  return tuple(sorted(set(layers)))
+
+
+def _layer_list(spec, num_layers: int) -> Tuple[int, ...]:
   if isinstance(spec, str):
     if spec.startswith("every"):
       layers = tuple(range(0, num_layers, int(spec[5:])))
@@ -37,9 +48,7 @@ def parse_layers(spec, num_layers: int) -> Tuple[int, ...]:
       layers = tuple(layers)
   else:
     layers = tuple(int(i) for i in spec)
-  if not layers or any(not 0 <= i < num_layers for i in layers):
-    raise ValueError(f"layer subset {spec!r} must name layers in [0, {num_layers})")
-  return tuple(sorted(set(layers)))
+  return layers
 
 
 @dataclasses.dataclass(frozen=True)
