@@ -169,11 +169,12 @@ def pad_requests(prompts: Sequence[Sequence[int]], max_new_tokens, request_ids,
   real row's keys change. Per-row draft params (Replay's references) must
   then cover the padded rows too. -> (prompts, max_new_tokens (per row), request_ids).
   """
+  from specjax.decoding import batch as batch_lib  # pylint: disable=import-outside-toplevel
   b, d = len(prompts), mesh.shape[DATA]
   extra = -b % d
   if not extra:
     return prompts, max_new_tokens, request_ids
-  limits = np.broadcast_to(np.asarray(max_new_tokens, np.int32), (b,))
+  limits = batch_lib.row_limits(max_new_tokens, b)
   ids = np.arange(b, dtype=np.int32) if request_ids is None else np.asarray(request_ids, np.int32)
   pad_ids = int(ids.max()) + 1 + np.arange(extra, dtype=np.int32)
   return (list(prompts) + [prompts[0]] * extra,

@@ -100,6 +100,8 @@ def test_prompt_longer_than_cache_is_refused(params):
     ar.generate(params, CFG, [[]], max_new_tokens=3)
   with pytest.raises(ValueError, match=r"one per prompt \(3\); got 2"):
     ar.generate(params, CFG, PROMPTS, max_new_tokens=[3, 4])
+  assert (ar.generate(params, CFG, PROMPTS, max_new_tokens=[NEW]).tokens ==  # one for all
+          ar.generate(params, CFG, PROMPTS, max_new_tokens=NEW).tokens)
   # Ids outside the vocabulary would be wrapped or clamped by the embedding
   # gather; fractional ids truncated: both refused, by prompt and position.
   for prompt, match in (([1, 2, -1], "prompt 1: token id -1 at position 2"),

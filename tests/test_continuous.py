@@ -71,3 +71,10 @@ def test_bad_requests_are_refused(model):
     with pytest.raises(ValueError, match="request id 1 repeats"):
       list(run(params, CFG, [(1, [3]), (1, [4] * 20)], batch_size=2, max_new_tokens=4,
                max_prompt_tokens=32))
+  # pad_id -1 is a model's own setting (no pad token), not a request's id: a
+  # refill group short of rows is filled with it and still runs
+  no_pad = CFG.replace(pad_id=-1)
+  got = dict(continuous.generate(params, no_pad, [(0, [5, 6])], batch_size=2, refill=2,
+                                 max_new_tokens=4, max_prompt_tokens=32))
+  assert got[0] == ar.generate(params, no_pad, [[5, 6]], max_new_tokens=4,
+                               request_ids=[0]).tokens[0]

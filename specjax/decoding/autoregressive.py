@@ -253,11 +253,7 @@ def prepare(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens,
   `width`: the new-token buffer the cache is sized for (default the largest
   limit); runs with other limits but the same width share one program."""
   tokens, lengths = batch_lib.pad_prompts(prompts, cfg.pad_id, vocab_size=cfg.vocab_size)
-  per_row = np.asarray(max_new_tokens)
-  if per_row.ndim and per_row.shape != lengths.shape:
-    raise ValueError(f"max_new_tokens: one limit for every prompt, or one per prompt "
-                     f"({len(lengths)}); got {per_row.shape[0] if per_row.ndim == 1 else per_row.shape}")
-  limits = np.broadcast_to(per_row.astype(np.int32), lengths.shape).copy()
+  limits = batch_lib.row_limits(max_new_tokens, len(lengths))
   if limits.min() < 1:
     raise ValueError(f"max_new_tokens must be >= 1, got {limits.min()}")
   if width is None:

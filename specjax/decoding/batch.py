@@ -46,15 +46,17 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
                 bucket: Optional[int] = None,
                 vocab_size: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
   """Right-pad token lists to one (B, T) array; returns (tokens, lengths).
-  Token ids must be integers, in [0, vocab_size) when `vocab_size` is given
-  (an id past the embedding rows would be clamped or wrapped silently)."""
+  With `vocab_size`, every id must be an integer in [0, vocab_size) (an id past
+  the embedding rows would be clamped or wrapped silently); without it the
+  rows are not checked (internal filler rows may hold a pad_id of -1)."""
   if not prompts:
     raise ValueError("no prompts given")
   lengths = np.array([len(p) for p in prompts], np.int32)
   if lengths.min() < 1:
     raise ValueError("every prompt needs at least one token")
-  for i, p in enumerate(prompts):
-    check_token_ids(p, vocab_size, f"prompt {i}")
+  if vocab_size is not None:
+    for i, p in enumerate(prompts):
+      check_token_ids(p, vocab_size, f"prompt {i}")
   width = bucket or prompt_bucket(int(lengths.max()))
   if width < lengths.max():
     raise ValueError(f"bucket {width} is shorter than the longest prompt ({lengths.max()})")
@@ -64,17 +66,29 @@ def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int,
   return tokens, lengths
 
 
-def check_token_ids(ids: Sequence[int], vocab_size: Optional[int], what: str) -> None:
-  """BadInputError unless `ids` is a flat sequence of integers in [0, vocab_size)
-  (only >= 0 when vocab_size is None); the message names `what` and the position."""
+def row_limits(max_new_tokens, num_rows: int) -> np.ndarray:
+  """(num_rows,) int32 token limits from one limit or one per row (ValueError
+  naming the lengths otherwise)."""
+  limits = np.asarray(max_new_tokens)
+  if limits.size != 1 and limits.shape != (num_rows,):
+    got = limits.shape[0] if limits.ndim == 1 else limits.shape
+    raise ValueError(f"max_new_tokens: one limit for every prompt, or one per prompt "
+                     f"({num_rows}); got {got}")
+  return np.broadcast_to(limits.astype(np.int32).reshape(-1) if limits.size == 1 else
+                         limits.astype(np.int32), (num_rows,)).copy()
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
+  """BadInputError unless `ids` is a flat sequence of integers in [0, vocab_size);
+  the message names `what` and the position."""
   row = np.asarray(ids)
   if row.ndim != 1 or not np.issubdtype(row.dtype, np.integer):
     raise BadInputError(f"{what}: token ids must be a flat list of integers, got "
                         f"{row.dtype} values of shape {row.shape}")
-  bad = np.flatnonzero((row < 0) | (row >= vocab_size)) if vocab_size else np.flatnonzero(row < 0)
+  bad = np.flatnonzero((row < 0) | (row >= vocab_size))
   if bad.size:
     raise BadInputError(f"{what}: token id {int(row[bad[0]])} at position {int(bad[0])} is "
-                        f"outside the vocabulary [0, {vocab_size or 'vocab_size'})")
+                        f"outside the vocabulary [0, {vocab_size})")
 
 
 def cache_size(cfg: ModelConfig, prompt_width: int, max_prompt_len: int,

@@ -184,7 +184,9 @@ def generate(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Sequence[in
       pad = refill - len(group)
       prompts = [p for _, p, _ in group] + [[cfg.pad_id]] * pad
       ids = [rid for rid, _, _ in group] + [0] * pad
-      tokens, lengths = batch_lib.pad_prompts(prompts, cfg.pad_id, vocab_size=cfg.vocab_size)
+      # every request's ids were checked when taken; the filler rows hold pad_id
+      # (which may be -1), so they are not checked against the vocabulary
+      tokens, lengths = batch_lib.pad_prompts(prompts, cfg.pad_id)
       keys = batch_lib.request_keys(root, jnp.asarray(ids, jnp.int32))
       limits = jnp.asarray([lim for _, _, lim in group] + [1] * pad, jnp.int32)
       new = ar.prefill(params, cfg, keys, jnp.asarray(tokens), jnp.asarray(lengths), limits,
