@@ -24,8 +24,8 @@ import typing
 from typing import Any, Dict
 
 from specjax import sampling as sampling_lib
-from specjax.drafters.settings import DrafterSettings, config_field, sampling_of
-from specjax.errors import ConfigValueError
+from specjax.drafters.settings import (DrafterSettings, config_field, refuse_unknown_keys,
+                                      sampling_of)
 
 _NESTED = (sampling_lib.SamplingConfig, DrafterSettings)
 
@@ -51,20 +51,15 @@ class RunSettings:
 
     Missing or None fields take the dataclass's defaults; a SamplingConfig
     field is read from temperature / top_k / top_p (greedy when absent), a
-    DrafterSettings field from the drafter fields. A dataclass of this class
-    is returned as it is (with the overrides replaced in)."""
+    DrafterSettings field from the drafter fields. A plain dict with a key
+    that is none of these is refused (ConfigValueError naming it). A dataclass
+    of this class is returned as it is (with the overrides replaced in)."""
     if isinstance(config, cls):
       return dataclasses.replace(config, **overrides) if overrides else config
     if isinstance(config, RunSettings):  # another run's settings: by their flat names
       config = config.flat()
-    elif type(config) is dict:  # pylint: disable=unidiomatic-typecheck
-      # A plain dict is checked here (a ConfigDict is checked by its flags): a
-      # misspelled key would otherwise run the default silently.
-      unknown = sorted(set(config) - cls.dict_fields())
-      if unknown:
-        raise ConfigValueError(f"{cls.__name__}: unknown setting(s) "
-                               f"{', '.join(map(repr, unknown))}; settings: "
-                               f"{', '.join(sorted(cls.dict_fields()))}")
+    else:
+      refuse_unknown_keys(config, cls.dict_fields(), cls.__name__)
     values = {}
     for f in dataclasses.fields(cls):
       kind = _nested_kind(cls, f.name)

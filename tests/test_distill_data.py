@@ -50,6 +50,9 @@ def test_generate_is_deterministic_and_resumes(smollm2, tmp_path):
     distill_data.generate_dataset(smollm2, str(tmp_path / "b.jsonl"), num_examples=6,
                                   model_name="other-model", **kw)
   assert (tmp_path / "b.jsonl").read_text() == whole
+  # ... while the same model named by its GGUF path is the same model
+  assert distill_data.generate_dataset(smollm2, str(tmp_path / "b.jsonl"), num_examples=4,
+                                       model_name=smollm2.source, **kw) == b
 
 
 GOOD = {"id": "alpaca/1", "split": "train", "prompt": [1, 2], "answer": [3, 2]}

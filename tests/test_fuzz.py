@@ -198,6 +198,9 @@ def test_a_failed_overwrite_keeps_the_checkpoint(tmp_path):
   params, got = checkpoints.load_drafter(path)
   assert got == card and sorted(os.listdir(path)) == ["README.md", "card.json", "params"]
   np.testing.assert_array_equal(params["layers"][0]["a"], first["layers"][0]["a"])
+  with pytest.raises(TypeError, match="int64"):  # a card JSON cannot hold: refused before any write
+    checkpoints.save_drafter(path, first, dict(card, steps=np.int64(3)))
+  assert sorted(os.listdir(path)) == ["README.md", "card.json", "params"]
   second = {**first, "layers": [{"a": first["layers"][0]["a"] + 1}]}
   checkpoints.save_drafter(path, second, dict(card, run=3))
   params, got = checkpoints.load_drafter(path)
@@ -238,7 +241,9 @@ def test_prompt_file_errors_name_file_and_line(tmp_path, line, match):
     ({"k": "3"}, "draft length k must be an integer >= 1"),
     ({"k": True}, "draft length k must be an integer >= 1"),
     ({"method": "prompt_lookup@bogus=1"}, "unknown field 'bogus'"),
-    ({"max_ngrams": 5, "kk": 2}, "unknown setting.*'kk', 'max_ngrams'"),
+    ({"max_ngrams": 5, "kk": 2}, "^method 'prompt_lookup': unknown setting.*'kk', 'max_ngrams'"),
+    ({"top_k": float("inf")}, "top_k must be a non-negative integer"),
+    ({"top_k": float("nan")}, "top_k must be a non-negative integer"),
     ({"method": "draft_model", "draft_model": "self:0"}, "self:N"),
     ({"method": "layer_skip", "layers": "a-b"}, "layers='a-b': expected a layer string"),
     ({"method": "layer_skip", "layers": "abc"}, "layers='abc': expected a layer string"),

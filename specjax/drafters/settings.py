@@ -10,6 +10,7 @@ run config); the registry's builders read only a DrafterSettings.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from typing import Any, Optional
 
@@ -145,13 +146,7 @@ def method_config(method: str, config) -> tuple[str, DrafterSettings]:
   """(base method name, its DrafterSettings: the config's fields with the
   method's own '@' values applied)."""
   base, overrides = parse_method(method)
-  if type(config) is dict:  # pylint: disable=unidiomatic-typecheck
-    # A plain dict is checked here (a run's ConfigDict is checked by its
-    # flags): a misspelled key would otherwise run the method's defaults.
-    unknown = sorted(set(config) - DICT_FIELDS)
-    if unknown:
-      raise ValueError(f"method {method!r}: unknown setting(s) {', '.join(map(repr, unknown))}; "
-                       f"drafter settings: {', '.join(sorted(DICT_FIELDS))}")
+  refuse_unknown_keys(config, DICT_FIELDS, f"method {method!r}")
   return base, DrafterSettings.of(config, overrides)
 
 
@@ -159,6 +154,18 @@ def method_config(method: str, config) -> tuple[str, DrafterSettings]:
 # sampling settings (`sampling_of`) and the method's name.
 DICT_FIELDS = frozenset(f.name for f in dataclasses.fields(DrafterSettings)) | {
     "temperature", "top_k", "top_p", "method"}
+
+
+def refuse_unknown_keys(config, allowed, what: str) -> None:
+  """ConfigValueError naming the keys of a plain dict `config` outside `allowed`.
+  Only a plain dict is checked: a run's ConfigDict is checked by its flags, and
+  a misspelled key of a dict would otherwise run the default silently."""
+  if type(config) is not dict:  # pylint: disable=unidiomatic-typecheck
+    return
+  unknown = sorted(set(config) - set(allowed))
+  if unknown:
+    raise ConfigValueError(f"{what}: unknown setting(s) {', '.join(map(repr, unknown))}; "
+                           f"settings: {', '.join(sorted(allowed))}")
 
 
 def config_field(config, name: str, default=None):
@@ -184,7 +191,7 @@ def sampling_of(config) -> sampling_lib.SamplingConfig:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
       raise ConfigValueError(f"{name} must be a number, got {value!r}")
   top_k = values["top_k"]
-  if float(top_k) != int(top_k):
+  if not math.isfinite(top_k) or float(top_k) != int(top_k):
     raise ConfigValueError(f"top_k must be a non-negative integer, got {top_k!r}")
   return sampling_lib.SamplingConfig(temperature=float(values["temperature"]),
                                      top_k=int(top_k), top_p=float(values["top_p"]))

@@ -9,6 +9,7 @@ directory is an error, never a silent fresh init.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -54,6 +55,7 @@ def save_drafter(path: str, params, card: dict) -> None:
   for field in ("method", "target_fingerprint"):
     if field not in card:
       raise ValueError(f"drafter card needs {field!r}")
+  card_text = json.dumps(card, indent=1)  # a card that cannot be written fails before any write
   path = os.path.abspath(path)
   os.makedirs(path, exist_ok=True)
   target, new, old = (os.path.join(path, PARAMS + suffix) for suffix in ("", ".new", ".old"))
@@ -65,12 +67,12 @@ def save_drafter(path: str, params, card: dict) -> None:
     ckptr.save(new, jax.device_get(params))
     ckptr.wait_until_finished()
   except Exception as e:  # orbax / tensorstore raise many types (e.g. a non-numeric leaf)
-    shutil.rmtree(new, ignore_errors=True)
-    shutil.rmtree(new + ".orbax-checkpoint-tmp", ignore_errors=True)
+    for partial in [new] + glob.glob(glob.escape(new) + ".orbax-checkpoint-tmp*"):
+      shutil.rmtree(partial, ignore_errors=True)
     raise CheckpointError(f"{path}: cannot save the parameters ({type(e).__name__}: {e}); "
                           "the checkpoint there is unchanged") from e
   with open(os.path.join(path, CARD + ".tmp"), "w") as f:
-    json.dump(card, f, indent=1)
+    f.write(card_text)
   if os.path.exists(os.path.join(path, CARD)):
     os.remove(os.path.join(path, CARD))
   if os.path.exists(target):

@@ -31,7 +31,8 @@ import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax.decoding import continuous
-from specjax.errors import ConfigValueError, MalformedFileError
+from specjax.errors import BadInputError, ConfigValueError, MalformedFileError
+from specjax.io import gguf as gguf_io
 from specjax.io import jsonl
 from specjax.training import decontaminate as decontaminate_lib
 
@@ -131,6 +132,17 @@ def read_records(path: str) -> List[dict]:
   return records
 
 
+def _same_model(a: str, b: str) -> bool:
+  """Two model names or GGUF paths of one file ('smollm2-135m' and its path)."""
+  if a == b:
+    return True
+  try:
+    return os.path.realpath(gguf_io.resolve_model_path(a)) == os.path.realpath(
+        gguf_io.resolve_model_path(b))
+  except (BadInputError, OSError):
+    return False
+
+
 def check_record(r, where: str) -> None:
   """MalformedFileError (naming `where` and the field) unless `r` is a record
   of the module docstring's form: a str id, split train / valid, a non-empty
@@ -170,13 +182,14 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
   """
   progress = progress or (lambda s: None)
   tok = model.tokenizer
-  chosen = interleave(sources, load_instructions(sources, data_dir), num_examples, seed)
   existing = read_records(path)
-  others = sorted({str(r.get("model")) for r in existing} - {model_name})
+  others = sorted({r["model"] for r in existing
+                   if r.get("model") is not None and not _same_model(r["model"], model_name)})
   if others:  # another model's answers (and token ids) are not this one's to distil
     raise ConfigValueError(f"{path} holds answers of model(s) {', '.join(others)}, not "
                            f"{model_name!r}: write this model's data to another file")
   done = {r["id"] for r in existing}
+  chosen = interleave(sources, load_instructions(sources, data_dir), num_examples, seed)
   coin = np.random.default_rng(seed).random(len(chosen))
   greedy = sampling_lib.GREEDY
   sampled = sampling_lib.SamplingConfig(temperature=temperature, top_p=top_p)
