@@ -74,8 +74,7 @@ def row_limits(max_new_tokens, num_rows: int) -> np.ndarray:
     got = limits.shape[0] if limits.ndim == 1 else limits.shape
     raise ValueError(f"max_new_tokens: one limit for every prompt, or one per prompt "
                      f"({num_rows}); got {got}")
-  return np.broadcast_to(limits.astype(np.int32).reshape(-1) if limits.size == 1 else
-                         limits.astype(np.int32), (num_rows,)).copy()
+  return np.broadcast_to(limits.astype(np.int32).reshape(-1), (num_rows,)).copy()
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, what: str) -> None:
