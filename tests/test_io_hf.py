@@ -14,8 +14,10 @@ import safetensors.numpy
 import torch
 import transformers  # noqa: F401  (a failed import must fail, not skip)
 
+from specjax.errors import ConfigValueError
 from specjax.io import hf
 from specjax.io.hf import HFFormatError, load_hf, save_hf
+from specjax.io.load import load_model
 from specjax.models import transformer
 from specjax.models.cache import init_cache
 from specjax.models.config import tiny_config
@@ -230,8 +232,6 @@ def test_loads_transformers_model(tmp_path, tie):
 def test_a_tokenizer_larger_than_the_model_is_refused(tmp_path):
   """load_model(HF dir, tokenizer_from=...) checks the pair: SmolLM2's 49,152
   tokens against a model of fewer rows would index past its embedding."""
-  from specjax.errors import ConfigValueError  # pylint: disable=import-outside-toplevel
-  from specjax.io.load import load_model  # pylint: disable=import-outside-toplevel
   path, _, cfg = saved(tmp_path)
   assert cfg.vocab_size < 49152
   with pytest.raises(ConfigValueError, match=f"49152 tokens but the model's vocabulary has "
