@@ -100,6 +100,11 @@ def test_prompt_longer_than_cache_is_refused(params):
     ar.generate(params, CFG, [[]], max_new_tokens=3)
   with pytest.raises(ValueError, match=r"one per prompt \(3\); got 2"):
     ar.generate(params, CFG, PROMPTS, max_new_tokens=[3, 4])
+  for bad in (10.5, [3, 4.5, 3], True, float("nan")):  # would be cut to a whole number
+    with pytest.raises(ValueError, match="max_new_tokens: a whole number of tokens"):
+      ar.generate(params, CFG, PROMPTS, max_new_tokens=bad)
+  assert (ar.generate(params, CFG, PROMPTS, max_new_tokens=float(NEW)).tokens ==
+          ar.generate(params, CFG, PROMPTS, max_new_tokens=NEW).tokens)
   assert (ar.generate(params, CFG, PROMPTS, max_new_tokens=[NEW]).tokens ==  # one for all
           ar.generate(params, CFG, PROMPTS, max_new_tokens=NEW).tokens)
   # Ids outside the vocabulary would be wrapped or clamped by the embedding

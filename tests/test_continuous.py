@@ -61,6 +61,12 @@ def test_bad_requests_are_refused(model):
   with pytest.raises(ValueError, match="token limit 5"):
     list(continuous.generate(params, CFG, [(0, [3], 5)], batch_size=2, max_new_tokens=4,
                              max_prompt_tokens=32))
+  with pytest.raises(ValueError, match="request 0: token limit 2.5 is not a whole number"):
+    list(continuous.generate(params, CFG, [(0, [3], 2.5)], batch_size=2, max_new_tokens=4,
+                             max_prompt_tokens=32))
+  with pytest.raises(ValueError, match="max_new_tokens: a whole number of tokens"):
+    list(continuous.generate(params, CFG, [(0, [3])], batch_size=2, max_new_tokens=4.5,
+                             max_prompt_tokens=32))
   with pytest.raises(ValueError, match="refill"):
     list(continuous.generate(params, CFG, [(0, [3])], batch_size=2, refill=3, max_new_tokens=4,
                              max_prompt_tokens=32))

@@ -70,6 +70,12 @@ def row_limits(max_new_tokens, num_rows: int) -> np.ndarray:
   """(num_rows,) int32 token limits from one limit or one per row (ValueError
   naming the lengths otherwise)."""
   limits = np.asarray(max_new_tokens)
+  whole = (np.issubdtype(limits.dtype, np.integer) or
+           (np.issubdtype(limits.dtype, np.floating) and bool(np.all(np.isfinite(limits))) and
+            bool(np.all(limits == np.round(limits)))))
+  if limits.dtype == np.bool_ or not whole:  # 10.5 would be cut to 10, True taken as 1
+    raise ValueError(f"max_new_tokens: a whole number of tokens (or one per prompt), got "
+                     f"{max_new_tokens!r}")
   if limits.size != 1 and limits.shape != (num_rows,):
     got = limits.shape[0] if limits.ndim == 1 else limits.shape
     raise ValueError(f"max_new_tokens: one limit for every prompt, or one per prompt "

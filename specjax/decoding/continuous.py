@@ -115,6 +115,7 @@ def generate(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Sequence[in
       prefill waits until this many rows are free or no request is left.
     stats: filled in as the run goes.
   """
+  max_new_tokens = int(batch_lib.row_limits(max_new_tokens, 1)[0])  # refuses 10.5, True
   if batch_size < 1 or max_new_tokens < 1 or chunk_steps < 1:
     raise ValueError("batch_size, max_new_tokens and chunk_steps must be >= 1, got "
                      f"{batch_size}, {max_new_tokens}, {chunk_steps}")
@@ -141,7 +142,11 @@ def generate(params, cfg: ModelConfig, requests: Iterable[Tuple[int, Sequence[in
       except StopIteration:
         exhausted = True
         break
-      limit = int(limit[0]) if limit else max_new_tokens
+      try:
+        limit = int(batch_lib.row_limits(limit[0], 1)[0]) if limit else max_new_tokens
+      except ValueError as e:
+        raise ValueError(f"request {rid}: token limit {limit[0]!r} is not a whole number "
+                         "of tokens") from e
       if not 1 <= len(prompt) <= max_prompt_tokens:
         raise ValueError(f"request {rid}: prompt of {len(prompt)} tokens; expected 1.."
                          f"{max_prompt_tokens} (max_prompt_tokens)")
