@@ -43,6 +43,9 @@ class Replay(Drafter):
       raise ValueError("replay: the reference tokens were not given (draft_params)")
 
   def draft(self, params, target, state, ctx, keys):
+    if params.tokens.shape[0] != ctx.length.shape[0]:  # static shapes: raised while tracing
+      raise ValueError(f"replay: {params.tokens.shape[0]} reference continuations for "
+                       f"{ctx.length.shape[0]} prompts; give one per prompt")
     done = ctx.length - ctx.prompt_len  # tokens generated so far
     idx = jnp.minimum(done[:, None] + jnp.arange(self.k)[None], params.tokens.shape[1] - 1)
     tokens = jnp.take_along_axis(params.tokens, idx, axis=1)
