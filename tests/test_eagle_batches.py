@@ -44,6 +44,36 @@ def test_sequence_batches_hold_whole_sequences_from_position_zero():
   assert seen == set(range(len(SHAPES)))
 
 
+def test_loss_positions_are_gathered_in_one_shape_per_bucket():
+  """`loss_rows` lists the loss's positions of the flattened batch (the LM
+  head runs on these only), padded to a size fixed per bucket that every
+  batch of it fits; with the loss on the whole sequence the bound grows."""
+  pool = _pool()
+  want = {64: 128, 128: 192, 256: 128}  # rows x the bucket's most loss positions, to 64
+  for seq_loss in (False, True):
+    if seq_loss:
+      pool.train_on_sequence()  # no shared head (the sequences differ at token 0):
+      want = {64: None, 128: None, 256: None}  # 4 x 49, 2 x 99, 1 x 255 -> 256: nothing to save
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+      b = pool.sequence_batch(rng, 256)
+      w = b["tokens"].shape[1]
+      on = b.get("loss", b["answer"]).reshape(-1)
+      if want[w] is None or want[w] >= b["tokens"].size:
+        assert "loss_rows" not in b
+        continue
+      n = int(on.sum())
+      assert b["loss_rows"].shape == (want[w],) and b["loss_rows"].dtype == np.int32
+      np.testing.assert_array_equal(b["loss_rows"][:n], np.flatnonzero(on))
+      np.testing.assert_array_equal(b["loss_rows_on"], np.arange(want[w]) < n)
+  for i, (n, plen) in enumerate(SHAPES):  # the bound's count is the window's mask
+    for start in (plen, 1, 0):
+      for t in (64, 256):
+        j = np.arange(t)
+        count = int(np.sum((j + 1 < n) & (j + 2 >= start)))
+        assert pool._window_loss_positions(i, start, t) == count  # pylint: disable=protected-access
+
+
 def test_buckets_are_drawn_in_proportion_to_their_answer_positions():
   pool = _pool()
   answers = {64: (30 - 9 - 1) + (50 - 19 - 1), 128: 100 - 4 - 1,

@@ -112,6 +112,37 @@ def test_top_k_labels_equal_the_full_distribution_when_k_covers_the_vocabulary()
   assert abs(float(c) - float(a)) > 1e-3
 
 
+@functools.partial(jax.jit, static_argnames=("w_reg",))
+def _loss_and_grads(head, batch, vocab, w_reg):
+  f = functools.partial(eagle_train.loss_fn, target_params=PARAMS, cfg=CFG, batch=batch,
+                        vocab=vocab, noise=None, steps=2, w_reg=w_reg, w_cls=1.0, decay=0.8)
+  return jax.value_and_grad(lambda h: f(h), has_aux=True)(head)
+
+
+def test_gathered_loss_positions_change_no_loss_and_no_gradient():
+  """`sequence_batch`'s `loss_rows` (the LM head run on the loss's positions
+  only) gives the loss, metrics and gradients of the whole (B, T) batch."""
+  kw3 = dict(KW, taps=eagle_train.eagle.eagle3_layers(CFG))
+  pool = eagle_train.SeqPool.build(PARAMS, CFG, SEQS, top_k=8, **kw3)
+  batch = {k: jnp.asarray(v) for k, v in pool.sequence_batch(np.random.default_rng(0), 128).items()}
+  assert batch["loss_rows"].shape[0] < batch["tokens"].size  # the batch is gathered
+  whole = {k: v for k, v in batch.items() if not k.startswith("loss_rows")}
+  head = eagle_train.eagle.init_head(jax.random.key(1), CFG, fused=True)
+  vocab = jnp.arange(0, CFG.vocab_size, 2)
+  for b_reg in (0.0, 1.0):  # EAGLE-3 (no regression) and EAGLE's smooth-L1 term
+    (la, ma), ga = _loss_and_grads(head, batch, vocab, b_reg)
+    (lb, mb), gb = _loss_and_grads(head, whole, vocab, b_reg)
+    np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
+    for k in mb:
+      np.testing.assert_allclose(float(ma[k]), float(mb[k]), rtol=1e-5, atol=1e-7, err_msg=k)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=2e-4, atol=1e-6), ga, gb)
+  # negative control: dropping one loss position from the gather moves the loss
+  cut = dict(batch, loss_rows_on=batch["loss_rows_on"].at[0].set(0.0))
+  (lc, _), _ = _loss_and_grads(head, cut, vocab, 0.0)
+  (la, _), _ = _loss_and_grads(head, batch, vocab, 0.0)
+  assert abs(float(lc) - float(la)) > 1e-4
+
+
 def test_a_run_without_taps_reads_the_shards_of_a_run_with_them(tmp_path):
   """A draft model (no taps) trains on the shards an EAGLE-3 run of the same
   data left: same tokens, final features and teacher top-K, taps not read;

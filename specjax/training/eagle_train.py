@@ -6,7 +6,9 @@ middle / high layer outputs), reused by every epoch.
 
 Training batches are whole sequences from position 0 (prompt + answer,
 length-bucketed, `SeqPool.sequence_batch`), so the head attends to the same
-prefix it has in its cache while drafting; the loss is on answer positions.
+prefix it has in its cache while drafting; the loss is on answer positions,
+and the draft LM head runs on those only (gathered per batch, `loss_rows`, in
+a size fixed per length bucket), not on the prompt's and padding's slots.
 (`SeqPool.batch`'s random T-position windows near the answer are the older
 recipe, kept for comparison: there the head sees at most T - 1 positions of
 history and rarely the instruction.) In either, a window holds T consecutive
@@ -64,6 +66,7 @@ class SeqPool:
     self.tokens, self.final, self.taps, self.plen = tokens, final, taps, plen
     self.top_ids, self.top_p = top_ids, top_p  # the teacher's top-K per position, or None
     self._by_width = None  # (buckets, widths, shares), by _buckets
+    self._gather: Dict[Tuple[int, int], Optional[int]] = {}  # (width, rows) -> _loss_rows
     # per sequence, the first label index trained on when the loss covers more
     # than the answer (`train_on_sequence`); None: the answer only
     self.loss_start: Optional[List[int]] = None
@@ -127,6 +130,7 @@ class SeqPool:
     epoch count stay on answer positions. Returns the shared head's length."""
     shared = os.path.commonprefix([list(t) for t in self.tokens]) if len(self) > 1 else []
     self.loss_start = [len(shared)] * len(self)
+    self._gather = {}
     return len(shared)
 
   @property
@@ -192,7 +196,32 @@ class SeqPool:
     rows = max(batch_tokens // w, 1)
     pick = rng.choice(len(members), size=rows, replace=len(members) < rows)
     chosen = [self.window(members[int(j)], 0, w) for j in pick]
-    return {k: np.stack([r[k] for r in chosen]) for k in chosen[0] if k != "d"}
+    out = {k: np.stack([r[k] for r in chosen]) for k in chosen[0] if k != "d"}
+    m = self._loss_rows(w, rows)
+    if m is not None:  # the loss's positions, gathered: `loss_fn` runs the LM head on them only
+      idx = np.flatnonzero(out.get("loss", out["answer"]).reshape(-1))
+      out["loss_rows"] = np.pad(idx, (0, m - len(idx))).astype(np.int32)
+      out["loss_rows_on"] = (np.arange(m) < len(idx)).astype(np.float32)
+    return out
+
+  def _loss_rows(self, w: int, rows: int) -> Optional[int]:
+    """The gathered loss positions of a batch of `rows` sequences of bucket
+    `w`: a bound fixed per bucket (one compiled shape each, as before), rows
+    times the bucket's most loss positions in one sequence, rounded up to 64;
+    None where that is no smaller than the batch (nothing to save)."""
+    key = (w, rows)
+    if key not in self._gather:
+      start = self.plen if self.loss_start is None else self.loss_start
+      most = max(self._window_loss_positions(i, start[i], w) for i in self._buckets()[0][w])
+      m = cache_lib.round_up(rows * most, 64)
+      self._gather[key] = m if m < rows * w else None
+    return self._gather[key]
+
+  def _window_loss_positions(self, i: int, start: int, t: int) -> int:
+    """How many positions of `window(i, 0, t)` the loss covers (j < t with
+    j + 1 < n and j + 2 >= start)."""
+    hi = min(t - 1, len(self.tokens[i]) - 2)
+    return max(hi - max(start - 2, 0) + 1, 0)
 
   def eval_sequences(self, max_sequences: Optional[int] = None) -> List[dict]:
     """Every sequence whole from position 0 (its bucket's width), in order."""
@@ -353,25 +382,33 @@ def loss_fn(head, target_params, cfg, batch, vocab, noise, *, steps: int, w_reg:
   lm_w = eagle.head_weights(dict(head, **({} if vocab is None else {"vocab": vocab})),
                             target_params, cfg)
   outs = unroll(head, target_params, cfg, batch, steps, noise, keep)
-  if "p_ids" in batch:  # the stored top-K teacher distributions: no LM head here
-    p_sub = teacher_from_top_k(batch["p_ids"], batch["p_top"], vocab, cfg.vocab_size)
-    target_tok = batch["p_ids"][..., 0]
+  if "loss_rows" in batch:  # (M,) flat indices of the loss positions (`sequence_batch`)
+    def take(x):  # (B, T, ...) -> (M, ...): the LM head and the loss run on these only
+      return x.reshape((-1,) + x.shape[2:])[batch["loss_rows"]]
+    live = batch["loss_rows_on"]
   else:
-    p_sub, p = target_probs(target_params, cfg, batch["f_next"], vocab)
+    take, live = (lambda x: x), 1.0
+  if "p_ids" in batch:  # the stored top-K teacher distributions: no LM head here
+    p_ids = take(batch["p_ids"])
+    p_sub = teacher_from_top_k(p_ids, take(batch["p_top"]), vocab, cfg.vocab_size)
+    target_tok = p_ids[..., 0]
+  else:
+    p_sub, p = target_probs(target_params, cfg, take(batch["f_next"]), vocab)
     target_tok = jnp.argmax(jax.lax.stop_gradient(p), -1)
   p_sub = jax.lax.stop_gradient(p_sub)
   total, metrics = 0.0, {}
   tpos = jnp.arange(batch["tokens"].shape[1])
   on = batch.get("loss", batch["answer"])  # the positions trained on
   for s, a in enumerate(outs):
-    mask = on * (tpos >= s)[None]
+    mask = take(on * (tpos >= s)[None]) * live
     denom = jnp.maximum(jnp.sum(mask), 1.0)
+    a = take(a)
     logits = eagle.draft_logits(head, target_params, cfg, a, lm_w)
     logq = jax.nn.log_softmax(logits, -1)
     ce = -jnp.sum(p_sub * logq, -1)
     loss_s = w_cls * jnp.sum(ce * mask) / denom
     if w_reg and s == 0:
-      diff = jnp.abs(a - batch["f_next"])
+      diff = jnp.abs(a - take(batch["f_next"]))
       sl1 = jnp.where(diff < 1.0, 0.5 * diff * diff, diff - 0.5).mean(-1)
       reg = jnp.sum(sl1 * mask) / denom
       loss_s = loss_s + w_reg * reg
