@@ -57,10 +57,17 @@ def main(argv):
     raise app.UsageError("--config.data_path: a self-distillation data file (its lengths)")
   if _RECORDS.value < 1 or _STEPS.value < 1:
     raise app.UsageError("--records and --steps must be >= 1")
+  if c.context != "sequence":
+    raise app.UsageError(f"--config.context={c.context!r}: only whole-sequence batches "
+                         "('sequence') gather their loss positions")
   model = run._target(c)  # pylint: disable=protected-access
   cfg = model.cfg
   records = distill_data.read_records(c.data_path)[:_RECORDS.value]
   seqs = [(s[:c.seq_len], min(p, c.seq_len)) for s, p in distill_data.sequences(records)]
+  for r, (s, _) in zip(records, seqs):
+    if max(s) >= cfg.vocab_size:
+      raise app.UsageError(f"record {r['id']}: token id {max(s)} is outside the model's "
+                           f"vocabulary ({cfg.vocab_size}); the data belongs to another model")
   fused = c.method == "eagle3"
   taps = eagle.eagle3_layers(cfg) if fused else ()
   rng = np.random.default_rng(0)
