@@ -78,7 +78,7 @@ def main(argv):
     return rng.standard_normal((n,) + shape).astype(np.float32)
 
   top_ids = [rng.integers(0, cfg.vocab_size, (len(s), k)).astype(np.int32) for s, _ in seqs]
-  top_p = [np.full((len(s), k), 1.0 / k, np.float32) for s, _ in seqs]
+  top_p = [np.full((len(s), k), 1.0 / max(k, 1), np.float32) for s, _ in seqs]
   pool = eagle_train.SeqPool([np.asarray(s, np.int32) for s, _ in seqs],
                              [rand(len(s), cfg.dim) for s, _ in seqs],
                              [rand(len(s), d) if taps else None for s, _ in seqs],

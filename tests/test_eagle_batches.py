@@ -154,3 +154,29 @@ def test_buckets_drawn_by_loss_positions_and_pools_joined():
                             top_p=[np.zeros((40, 2))])
   with pytest.raises(ValueError, match="top-K"):
     eagle_train.SeqPool.concat([a, top])
+
+
+def test_train_step_experiment_times_both_variants(tmp_path):
+  """experiments/train_step.py end to end on the tiny model (a subprocess, as
+  its docstring runs it): both variants timed on gathered batches."""
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  data = tmp_path / "distill.jsonl"
+  with open(data, "w") as f:
+    for i in range(8):
+      f.write(json.dumps({"id": f"alpaca/{i}", "split": "train",
+                          "prompt": rng.integers(1, 64, int(rng.integers(4, 12))).tolist(),
+                          "answer": rng.integers(1, 64, int(rng.integers(8, 24))).tolist()}) + "\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "step.json"
+  proc = subprocess.run(
+      [sys.executable, "experiments/train_step.py", "--config=configs/eagle3.py:tiny",
+       f"--config.data_path={data}", "--records=8", "--steps=2", f"--out={out}"],
+      cwd=root, capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  got = json.loads(out.read_text())
+  assert got["steps"] == 2 and got["gathered_median_s"] > 0 and got["full_median_s"] > 0
+  assert got["mean_lm_head_rows"] < got["mean_slots"]  # the tiny answers leave slots to drop
