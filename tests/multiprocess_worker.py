@@ -7,6 +7,8 @@ Joins the job over loopback (`specjax.distributed`), then
 1. trains a tiny draft model (distillation steps of `specjax.training.draft_train`)
    data-parallel over the 8 devices of both processes, and the same steps on
    the whole global batch on one local device: the parameters must agree;
+   the same for EAGLE-3 steps on batches of gathered loss positions (which
+   every device gets whole);
 2. runs a batch-size sweep data-parallel (each process decodes its share of
    each batch on a local (2, 2) mesh; rows gathered) for AR and prompt
    lookup, greedy and sampled, against the one-process batch.
@@ -76,6 +78,41 @@ def main(argv):
   result["train"] = {"mesh": dict(mesh.shape), "max_param_diff": max(diffs),
                      "max_param_update": max(moved), "dp_losses": dp_losses,
                      "ref_losses": ref_losses}
+
+  # --- 1b. data-parallel EAGLE-3 steps on gathered loss positions ----------------
+  from specjax.drafters import eagle  # pylint: disable=import-outside-toplevel
+  from specjax.training import eagle_train  # pylint: disable=import-outside-toplevel
+  seqs = [(np.random.default_rng(10 + i).integers(1, cfg.vocab_size, 20 + i).tolist(), 6 + i)
+          for i in range(8)]
+  pool = eagle_train.SeqPool.build(target, cfg, seqs, seq_len=32, top_k=4, batch_size=8,
+                                   taps=eagle.eagle3_layers(cfg))
+  head = jax.tree.map(np.asarray, eagle.init_head(jax.random.key(2), cfg, fused=True))
+
+  def eagle_batch(step):
+    b = pool.sequence_batch(np.random.default_rng(step), 512)  # 8 rows of 64
+    for name in ("loss_rows", "loss_rows_on"):  # a length 8 devices do not divide
+      b[name] = np.pad(b[name], (0, 4))
+    b["key"] = np.asarray(jax.random.key_data(jax.random.key(step)))
+    return b
+
+  def eagle_train_steps(step):
+    params, opt_state, losses = head, opt.init(head), []
+    for s in range(1, 4):
+      params, opt_state, m = step(params, opt_state, eagle_batch(s))
+      losses.append(float(np.asarray(m["loss"])))
+    return distributed.to_host(params), losses
+
+  def eagle_step(tgt):
+    return eagle_train.make_step(opt, tgt, cfg, steps=2, w_reg=0.0, w_cls=1.0)
+
+  dp_head, dp_eagle = eagle_train_steps(distributed.data_parallel_step(
+      eagle_step(distributed.replicate(target, mesh)), mesh, eagle_train.REPLICATED))
+  ref_head, ref_eagle = eagle_train_steps(eagle_step(target))
+  result["eagle"] = {
+      "gathered": bool("loss_rows" in pool.sequence_batch(np.random.default_rng(1), 512)),
+      "max_param_diff": max(jax.tree.leaves(jax.tree.map(
+          lambda a, b: float(np.max(np.abs(a - b))), dp_head, ref_head))),
+      "dp_losses": dp_eagle, "ref_losses": ref_eagle}
 
   # --- 2. data-parallel batch-size sweep ------------------------------------------
   dcfg = tiny_config(eos_id=2, pad_id=0)

@@ -70,6 +70,17 @@ def test_data_parallel_training_equals_one_process_on_the_global_batch(job):
   assert job[0]["train"]["dp_losses"] == job[1]["train"]["dp_losses"]
 
 
+def test_data_parallel_eagle_steps_on_gathered_loss_positions(job):
+  """The gathered loss positions index the global batch: replicated, not split
+  (their length here is one 8 devices do not divide), the data-parallel steps
+  equal one device's on the whole batch."""
+  for r in job:
+    e = r["eagle"]
+    assert e["gathered"]
+    assert e["max_param_diff"] < 1e-5, e
+    assert e["dp_losses"] == pytest.approx(e["ref_losses"], rel=1e-5, abs=1e-6)
+
+
 def test_data_parallel_sweep_equals_one_process(job):
   for r in job:
     cases = {(s["method"], s["batch_size"], s["sampling"]) for s in r["sweep"]}

@@ -57,6 +57,10 @@ from specjax.training import features as features_lib
 
 # Length buckets of whole-sequence batches (a compiled step shape each).
 BUCKETS = (64, 128, 256, 512, 1024)
+# Batch entries a data-parallel step replicates rather than splits over its
+# devices: the step's key, and the gathered loss positions, which index the
+# whole global batch (`SeqPool.sequence_batch`).
+REPLICATED = ("key", "loss_rows", "loss_rows_on")
 
 
 class SeqPool:

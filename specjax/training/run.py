@@ -262,7 +262,8 @@ def _data_parallel(model: Model):
     return model.params, lambda step: step
   mesh = distributed.global_mesh()
   return (distributed.replicate(model.params, mesh),
-          lambda step: distributed.data_parallel_step(step, mesh))
+          lambda step: distributed.data_parallel_step(step, mesh,
+                                                      replicated=eagle_train.REPLICATED))
 
 
 def _pools(name: str, build):
