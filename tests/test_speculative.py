@@ -92,7 +92,7 @@ def test_acceptance_metrics(target, draft, reference):
   replay = sp.generate(target, CFG, Replay(k=4), PROMPTS, draft_params=replay_params(reference),
                        max_new_tokens=NEW)
   assert replay.alpha == 1.0
-  with pytest.raises(ValueError, match="replay: 4 reference continuations for 3 prompts"):
+  with pytest.raises(ValueError, match="replay: 4 reference continuations for a batch of 3 rows"):
     sp.generate(target, CFG, Replay(k=4), PROMPTS, max_new_tokens=NEW,
                 draft_params=replay_params(reference + reference[:1]))
   # 11 decode tokens per row at 5 per round: rounds of 5, 5, 1.

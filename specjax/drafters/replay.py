@@ -44,8 +44,9 @@ class Replay(Drafter):
 
   def draft(self, params, target, state, ctx, keys):
     if params.tokens.shape[0] != ctx.length.shape[0]:  # static shapes: raised while tracing
-      raise ValueError(f"replay: {params.tokens.shape[0]} reference continuations for "
-                       f"{ctx.length.shape[0]} prompts; give one per prompt")
+      raise ValueError(f"replay: {params.tokens.shape[0]} reference continuations for a batch "
+                       f"of {ctx.length.shape[0]} rows; give one per prompt (and per padding "
+                       "row on a mesh: sharding.pad_requests)")
     done = ctx.length - ctx.prompt_len  # tokens generated so far
     idx = jnp.minimum(done[:, None] + jnp.arange(self.k)[None], params.tokens.shape[1] - 1)
     tokens = jnp.take_along_axis(params.tokens, idx, axis=1)
