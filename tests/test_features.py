@@ -116,7 +116,7 @@ def test_top_k_labels_equal_the_full_distribution_when_k_covers_the_vocabulary()
 def _loss_and_grads(head, batch, vocab, w_reg):
   f = functools.partial(eagle_train.loss_fn, target_params=PARAMS, cfg=CFG, batch=batch,
                         vocab=vocab, noise=None, steps=2, w_reg=w_reg, w_cls=1.0, decay=0.8)
-  return jax.value_and_grad(lambda h: f(h), has_aux=True)(head)
+  return jax.value_and_grad(f, has_aux=True)(head)
 
 
 def test_gathered_loss_positions_change_no_loss_and_no_gradient():
@@ -129,9 +129,9 @@ def test_gathered_loss_positions_change_no_loss_and_no_gradient():
   whole = {k: v for k, v in batch.items() if not k.startswith("loss_rows")}
   head = eagle_train.eagle.init_head(jax.random.key(1), CFG, fused=True)
   vocab = jnp.arange(0, CFG.vocab_size, 2)
-  for b_reg in (0.0, 1.0):  # EAGLE-3 (no regression) and EAGLE's smooth-L1 term
-    (la, ma), ga = _loss_and_grads(head, batch, vocab, b_reg)
-    (lb, mb), gb = _loss_and_grads(head, whole, vocab, b_reg)
+  for w_reg in (0.0, 1.0):  # EAGLE-3 (no regression) and EAGLE's smooth-L1 term
+    (la, ma), ga = _loss_and_grads(head, batch, vocab, w_reg)
+    (lb, mb), gb = _loss_and_grads(head, whole, vocab, w_reg)
     np.testing.assert_allclose(float(la), float(lb), rtol=1e-5)
     for k in mb:
       np.testing.assert_allclose(float(ma[k]), float(mb[k]), rtol=1e-5, atol=1e-7, err_msg=k)
