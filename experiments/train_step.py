@@ -77,13 +77,14 @@ def main(argv):
   def rand(n, *shape):
     return rng.standard_normal((n,) + shape).astype(np.float32)
 
-  top_ids = [rng.integers(0, cfg.vocab_size, (len(s), k)).astype(np.int32) for s, _ in seqs]
-  top_p = [np.full((len(s), k), 1.0 / max(k, 1), np.float32) for s, _ in seqs]
+  teacher = {} if not k else {  # the stored top-K teacher the config trains on, if any
+      "top_ids": [rng.integers(0, cfg.vocab_size, (len(s), k)).astype(np.int32)
+                  for s, _ in seqs],
+      "top_p": [np.full((len(s), k), 1.0 / k, np.float32) for s, _ in seqs]}
   pool = eagle_train.SeqPool([np.asarray(s, np.int32) for s, _ in seqs],
                              [rand(len(s), cfg.dim) for s, _ in seqs],
                              [rand(len(s), d) if taps else None for s, _ in seqs],
-                             [p for _, p in seqs],
-                             top_ids=top_ids if k else None, top_p=top_p if k else None)
+                             [p for _, p in seqs], **teacher)
   pool.bucket_weight = c.bucket_weight
   if c.loss_positions == "sequence":
     pool.train_on_sequence()

@@ -2,6 +2,11 @@
 has in its cache while drafting), one length bucket per batch, buckets drawn in
 proportion to their answer positions; validation over whole sequences."""
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -159,10 +164,6 @@ def test_buckets_drawn_by_loss_positions_and_pools_joined():
 def test_train_step_experiment_times_both_variants(tmp_path):
   """experiments/train_step.py end to end on the tiny model (a subprocess, as
   its docstring runs it): both variants timed on gathered batches."""
-  import json  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   data = tmp_path / "distill.jsonl"
   with open(data, "w") as f:

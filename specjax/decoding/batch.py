@@ -73,7 +73,7 @@ def row_limits(max_new_tokens, num_rows: int) -> np.ndarray:
   whole = (np.issubdtype(limits.dtype, np.integer) or
            (np.issubdtype(limits.dtype, np.floating) and bool(np.all(np.isfinite(limits))) and
             bool(np.all(limits == np.round(limits)))))
-  if limits.dtype == np.bool_ or not whole:  # 10.5 would be cut to 10, True taken as 1
+  if not whole:  # 10.5 would be cut to 10; True (numpy's bool is neither kind) taken as 1
     raise ValueError(f"max_new_tokens: a whole number of tokens (or one per prompt), got "
                      f"{max_new_tokens!r}")
   if limits.size != 1 and limits.shape != (num_rows,):
