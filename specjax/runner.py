@@ -9,6 +9,7 @@ turns its ConfigDict into it once (`GenerateSettings.of`), at the boundary.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import resource
 import statistics
 from typing import Optional
@@ -75,6 +76,12 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
   from specjax.drafters import registry  # pylint: disable=import-outside-toplevel
 
   require(c, GenerateSettings, "runner.generate")
+  for name in ("batch_size", "repeats", "max_new_tokens"):  # before the model loads
+    value = getattr(c, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise ConfigValueError(f"{name} must be an integer >= 1, got {value!r}"
+                             + (" (the timed runs: 0 would report the compile run's speed)"
+                                if name == "repeats" else ""))
   sampling = c.sampling
   methods = ("ar",) + registry.available_methods()
   if c.method != "ar":

@@ -117,6 +117,15 @@ def test_unknown_method_raises(smollm2):
     runner.generate_from_config(c, model=smollm2)
 
 
+@pytest.mark.parametrize("field,value", [("repeats", 0), ("batch_size", 0),
+                                         ("max_new_tokens", -2), ("repeats", 1.5),
+                                         ("batch_size", True)])
+def test_counts_below_one_are_refused_before_the_model_loads(field, value):
+  # no model given: the refusal comes before anything loads
+  with pytest.raises(ConfigValueError, match=f"{field} must be an integer >= 1, got {value!r}"):
+    runner.generate(runner.GenerateSettings(model="no-such-model", **{field: value}))
+
+
 def test_experiment_main_subprocess():
   proc = subprocess.run(
       [sys.executable, "experiments/generate.py", "--config=configs/smollm2.py",
