@@ -64,6 +64,12 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   progress = progress or (lambda s: print(s, flush=True))
   t_start = time.perf_counter()
   model = _target(c)
+  # Inputs read only after the data and its features (minutes to hours) are checked first.
+  if c.init_from:
+    checkpoints.load_drafter(c.init_from, model.params, model.cfg, method=c.method)
+  if c.valid_ids_path and not os.path.isfile(c.valid_ids_path):
+    raise FileNotFoundError(f"valid_ids_path={c.valid_ids_path!r}: no such file (a JSON list "
+                            "of the held-out records' ids)")
   os.makedirs(c.workdir, exist_ok=True)
   train_seqs, valid_seqs, grown_seqs, _ = _data(c, model, progress)
   if c.method in ("eagle", "eagle3"):
