@@ -29,7 +29,7 @@ def get_config(arg=None):
   # The run's fields, one default each: specjax.benchmarks.scaling.ScalingSettings
   # (data_path, sizes, seeds, seeds_below, valid_sequences, train_eval_sequences,
   # epochs, patience, eval_every, eval_k, bench_k, bench_prompt_limit,
-  # bench_max_new_tokens, out). The training recipe: configs/eagle3.py's
+  # bench_max_new_tokens, bench_prompts, out). The training recipe: configs/eagle3.py's
   # variant `recipe` (its other fields are set per point).
   common.settings_fields(c, scaling.ScalingSettings)
   c.recipe = "reduced"  # a variant of configs/eagle3.py (e.g. reduced_init)

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from specjax.benchmarks import scaling
+from specjax.errors import PromptFileError
 from specjax.training.settings import TrainSettings
 
 
@@ -53,3 +54,11 @@ def test_settings_and_inputs(load_config, tmp_path):
   with pytest.raises(FileNotFoundError, match="no self-distillation data"):
     scaling.run_scaling(scaling.ScalingSettings(data_path=str(tmp_path / "none.jsonl")),
                         TrainSettings())
+  data = tmp_path / "data.jsonl"
+  data.write_text("")
+  # the benchmark's prompt file is read before the data and any training
+  with pytest.raises(PromptFileError, match="questions.jsonl: cannot read the prompt file"):
+    scaling.run_scaling(scaling.ScalingSettings(data_path=str(data), out=str(tmp_path / "out"),
+                                                bench_prompts=str(tmp_path / "questions.jsonl")),
+                        TrainSettings())
+  assert not (tmp_path / "out").exists()

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
-from specjax.benchmarks import specbench
+from specjax.benchmarks import questions, specbench
 from specjax.drafters import registry
 from specjax.io import jsonl
 from specjax.settings import RunSettings, require
@@ -49,6 +49,7 @@ class ScalingSettings(RunSettings):
   bench_k: int = 4
   bench_prompt_limit: int = 10
   bench_max_new_tokens: int = 96
+  bench_prompts: str = questions.SPEC_BENCH  # any JSONL file in Spec-Bench's format
   out: str = "/tmp/specjax_scaling"
 
 
@@ -89,6 +90,8 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
   if not c.data_path or not os.path.isfile(c.data_path):
     raise FileNotFoundError(f"data_path={c.data_path!r}: no self-distillation data there "
                             "(experiments/distill.py writes it)")
+  # the benchmark's prompts are read now, not after hours of training
+  questions.load_questions(c.bench_prompts, c.bench_prompt_limit)
   records = distill_data.read_records(c.data_path)
   os.makedirs(c.out, exist_ok=True)
   # The held-out set is chosen once and kept: a repeated run on grown data
@@ -123,7 +126,7 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
     out = train_run.run(ts, progress=progress)
     bench = specbench.run_benchmark(specbench.BenchmarkSettings(
         model=train.model, dtype=train.dtype, repeats=1, calibrate=False,
-        methods=bench_method(ts.export),
+        methods=bench_method(ts.export), prompts=c.bench_prompts,
         prompt_limit=c.bench_prompt_limit, max_new_tokens=c.bench_max_new_tokens,
         out=os.path.join(c.out, name, "bench")), progress=progress)
     rows = [r for r in bench["results"] if r["method"] != "ar"]
