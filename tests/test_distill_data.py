@@ -133,6 +133,12 @@ def test_select_holds_out_a_stratified_set_and_nests_training_prefixes():
   assert sum(len(r["answer"]) for r in t3) >= 50 > sum(len(r["answer"]) for r in t3[:-1])
   with pytest.raises(ValueError, match="'xsum'.*not in the data"):
     distill_data.select(recs, train_sources=["xsum"])
+  # negative or fractional counts were read as something else (valid_sequences=-1
+  # held out all records but one; train_positions=-5 trained on one record)
+  for field, value in (("valid_sequences", -1), ("train_positions", -5),
+                       ("train_positions", 2.5), ("valid_sequences", True)):
+    with pytest.raises(ValueError, match=f"{field} must be a whole number >= 0.*got {value!r}"):
+      distill_data.select(recs, **{field: value})
   # prefixes taken round-robin over the sources: a source appended as a block
   # at the end of the file is in the smallest prefix, and prefixes still nest
   grown = recs + [{"id": f"xsum/{i}", "split": "train", "prompt": [1], "answer": [4] * 9}

@@ -105,16 +105,18 @@ def test_warm_start_reads_an_exported_head(trained, tiny_target):
                     dict(other, extra=jnp.zeros(3)), lambda s: None)
 
 
-def test_bad_warm_start_or_validation_ids_refused_before_the_data(trained, tmp_path):
-  """A checkpoint of another method, a directory that is none, or a missing
-  validation-ids file stops the run before any data is read or generated."""
+def test_bad_warm_start_or_data_selection_refused_before_the_data(trained, tmp_path):
+  """A checkpoint of another method, a directory that is none, a missing
+  validation-ids file or a negative count stops the run before any data is
+  read or generated."""
   c, _ = trained[0]["eagle3"]
   said = []
   bad = [(dict(method="eagle", init_from=str(c.export)), checkpoints.CheckpointError,
           "not 'eagle'"),
          (dict(init_from=str(tmp_path)), checkpoints.CheckpointError, "not a drafter checkpoint"),
          (dict(valid_ids_path=str(tmp_path / "ids.json")), FileNotFoundError,
-          "valid_ids_path=.*ids.json.*no such file")]
+          "valid_ids_path=.*ids.json.*no such file"),
+         (dict(train_positions=-5), ValueError, "train_positions must be a whole number")]
   for i, (fields, error, match) in enumerate(bad):
     wd = tmp_path / f"wd{i}"
     with pytest.raises(error, match=match):

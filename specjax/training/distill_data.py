@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
 import random
 import time
@@ -310,6 +311,18 @@ def round_robin(records: Sequence[dict]) -> List[dict]:
   return _turns([by_src[s] for s in sorted(by_src)])
 
 
+def check_selection(*, valid_sequences: int = 0, train_positions: int = 0,
+                    train_order: str = "file") -> None:
+  """ValueError naming the setting if `select` would refuse these (or, for a
+  negative count, silently misread them): callable before the data exists."""
+  if train_order not in TRAIN_ORDERS:
+    raise ValueError(f"unknown train_order {train_order!r} (known: {', '.join(TRAIN_ORDERS)})")
+  for name, value, zero in (("valid_sequences", valid_sequences, "the records' own hash split"),
+                            ("train_positions", train_positions, "every training record")):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+      raise ValueError(f"{name} must be a whole number >= 0 (0: {zero}), got {value!r}")
+
+
 def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions: int = 0,
            valid_ids: Optional[Sequence[str]] = None,
            train_sources: Optional[Sequence[str]] = None,
@@ -333,8 +346,8 @@ def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions
   share of records; prefixes of one file still nest, and a grown file
   keeps the old order up to where its smallest source first ran out).
   """
-  if train_order not in TRAIN_ORDERS:
-    raise ValueError(f"unknown train_order {train_order!r} (known: {', '.join(TRAIN_ORDERS)})")
+  check_selection(valid_sequences=valid_sequences, train_positions=train_positions,
+                  train_order=train_order)
   if valid_ids is not None:
     ids = set(valid_ids)
     missing = ids - {r["id"] for r in records}

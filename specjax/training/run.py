@@ -61,6 +61,8 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   `TrainSettings.of(config)` reads a training config)."""
   require(c, TrainSettings, "training.run.run")
   TrainSettings.config_fields(c.method)  # an unknown method: ValueError before any work
+  distill_data.check_selection(valid_sequences=c.valid_sequences,
+                               train_positions=c.train_positions, train_order=c.train_order)
   progress = progress or (lambda s: print(s, flush=True))
   t_start = time.perf_counter()
   model = _target(c)
