@@ -9,7 +9,7 @@ import os
 import pytest
 
 from specjax.benchmarks import scaling
-from specjax.errors import PromptFileError
+from specjax.errors import ConfigValueError, PromptFileError
 from specjax.training.settings import TrainSettings
 
 
@@ -62,3 +62,14 @@ def test_settings_and_inputs(load_config, tmp_path):
                                                 bench_prompts=str(tmp_path / "questions.jsonl")),
                         TrainSettings())
   assert not (tmp_path / "out").exists()
+  # settings out of range are refused by name before anything is read
+  for fields, match in ((dict(sizes="100000,abc"), "sizes='100000,abc': 'abc' is not a whole"),
+                        (dict(sizes="-100"), "'-100' is not a whole number"),
+                        (dict(sizes=" , "), "no sizes"),
+                        (dict(seeds=0), "seeds must be a whole number >= 1, got 0"),
+                        (dict(epochs=0.0), "epochs must be > 0"),
+                        (dict(bench_prompt_limit=-1), "bench_prompt_limit must be .* >= 0"),
+                        (dict(eval_every=2.5), "eval_every must be a whole number >= 1")):
+    with pytest.raises(ConfigValueError, match=match):
+      scaling.run_scaling(scaling.ScalingSettings(data_path=str(data), **fields), TrainSettings())
+  assert scaling.sizes(scaling.ScalingSettings(sizes="46_000, 100000,")) == [46000, 100000]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from typing import Callable, Dict, List, Optional
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from specjax.benchmarks import questions, specbench
 from specjax.drafters import registry
+from specjax.errors import ConfigValueError
 from specjax.io import jsonl
 from specjax.settings import RunSettings, require
 from specjax.training import distill_data, run as train_run
@@ -53,11 +55,45 @@ class ScalingSettings(RunSettings):
   out: str = "/tmp/specjax_scaling"
 
 
+def sizes(c: ScalingSettings) -> List[int]:
+  """The comma-separated `sizes`, each a whole number of positions >= 1."""
+  out = []
+  for s in str(c.sizes).split(","):
+    if not s.strip():
+      continue
+    try:
+      size = int(s.strip().replace("_", ""))
+    except ValueError:
+      size = 0
+    if size < 1:
+      raise ConfigValueError(f"sizes={c.sizes!r}: {s.strip()!r} is not a whole number of "
+                             "training answer positions >= 1 (e.g. '100000,300000')")
+    out.append(size)
+  if not out:
+    raise ConfigValueError(f"sizes={c.sizes!r}: no sizes (e.g. '100000,300000')")
+  return out
+
+
+def check(c: ScalingSettings) -> None:
+  """ConfigValueError naming the first setting of `c` out of its range."""
+  sizes(c)
+  for name, low in (("seeds", 1), ("seeds_below", 0), ("valid_sequences", 1),
+                    ("train_eval_sequences", 0), ("patience", 1), ("eval_every", 1),
+                    ("eval_k", 1), ("bench_k", 1), ("bench_prompt_limit", 0),
+                    ("bench_max_new_tokens", 1)):
+    value = getattr(c, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+      raise ConfigValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+  if not (isinstance(c.epochs, numbers.Real) and math.isfinite(c.epochs) and c.epochs > 0):
+    raise ConfigValueError(f"epochs must be > 0 (an upper bound: each point stops early), "
+                           f"got {c.epochs!r}")
+
+
 def points(c: ScalingSettings, available: int) -> List[Dict[str, int]]:
   """The (positions, seed) points the data can hold (sizes above `available`
   training answer tokens are left out)."""
   out = []
-  for size in (int(s) for s in c.sizes.split(",") if s.strip()):
+  for size in sizes(c):
     if size > available:
       continue
     for seed in range(c.seeds if size < c.seeds_below else 1):
@@ -81,6 +117,7 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
   TrainSettings; its data fields are set per point)."""
   require(c, ScalingSettings, "scaling.run_scaling")
   require(train, TrainSettings, "scaling.run_scaling")
+  check(c)
   progress = progress or (lambda s: print(s, flush=True))
 
   def bench_method(export: str) -> str:
