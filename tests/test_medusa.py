@@ -55,7 +55,21 @@ def test_run_takes_its_settings_dataclass(load_config, tmp_path):
     run.run(c, progress=lambda s: None)
   with pytest.raises(ValueError, match="unknown drafter to train 'nope'"):
     run.run(TrainSettings.of(c, method="nope"), progress=lambda s: None)
+  # a field out of its range is refused by name (these ran, silently, as something else)
+  for fields, match in ((dict(steps=-3), "steps must be a whole number >= 1, got -3"),
+                        (dict(lr=float("nan")), r"lr must be a finite number in \(0, inf\)"),
+                        (dict(lr=-1.0), r"lr must be .*got -1.0"),
+                        (dict(epochs=-1.0), r"epochs must be a finite number in \[0, inf\)"),
+                        (dict(eval_every=0), "eval_every must be a whole number >= 1"),
+                        (dict(seed=-1), "seed must be a whole number >= 0"),
+                        (dict(draft_vocab=-5), "draft_vocab must be a whole number >= 0"),
+                        (dict(warmup=2.5), "warmup must be a whole number"),
+                        (dict(feature_dropout=1.0), r"feature_dropout must be .* \[0, 1\)"),
+                        (dict(head_init_layer=1.5), "head_init_layer must be a layer index")):
+    with pytest.raises(ValueError, match=match):
+      run.run(TrainSettings.of(c, **fields), progress=lambda s: None)
   assert not os.path.exists(tmp_path / "w")
+  TrainSettings.of(c, head_init_layer=-1, epochs=0.5, warmup=0).check()  # in range: accepted
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   """Trains (or resumes) and exports the drafter `c` describes (a TrainSettings;
   `TrainSettings.of(config)` reads a training config)."""
   require(c, TrainSettings, "training.run.run")
-  TrainSettings.config_fields(c.method)  # an unknown method: ValueError before any work
+  c.check()  # an unknown method or a field out of range: ValueError before any work
   distill_data.check_selection(valid_sequences=c.valid_sequences,
                                train_positions=c.train_positions, train_order=c.train_order)
   progress = progress or (lambda s: print(s, flush=True))

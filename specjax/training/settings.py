@@ -10,6 +10,8 @@ into these settings once (`TrainSettings.of(config)`).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Dict, Optional, Tuple
 
 from specjax.settings import RunSettings
@@ -157,11 +159,56 @@ class TrainSettings(RunSettings):
       raise ValueError(f"unknown drafter to train {method!r} (known: {', '.join(METHODS)})")
     return SHARED_FIELDS + METHOD_FIELDS[method] + ("export",)
 
+  def check(self) -> None:
+    """ValueError naming the first field out of its range (`run.run` calls it
+    before any work: a negative count or a NaN learning rate otherwise ran,
+    silently, as something else)."""
+    if self.method not in METHODS:
+      raise ValueError(f"unknown drafter to train {self.method!r} (known: {', '.join(METHODS)})")
+    for names, low in ((_AT_LEAST_ONE, 1), (_AT_LEAST_ZERO, 0)):
+      for name in names:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+          raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+    for name, low, high, low_open, high_open in _REALS:
+      value = getattr(self, name)
+      ok = (not isinstance(value, bool) and isinstance(value, numbers.Real)
+            and math.isfinite(value) and (value > low if low_open else value >= low)
+            and (high is None or (value < high if high_open else value <= high)))
+      if not ok:
+        where = ("(" if low_open else "[") + f"{low:g}, " + (
+            "inf)" if high is None else f"{high:g}" + (")" if high_open else "]"))
+        raise ValueError(f"{name} must be a finite number in {where}, got {value!r}")
+    if self.head_init_layer is not None and (
+        isinstance(self.head_init_layer, bool)
+        or not isinstance(self.head_init_layer, numbers.Integral)):
+      raise ValueError(f"head_init_layer must be a layer index or None, got "
+                       f"{self.head_init_layer!r}")
+
   def config(self) -> Dict[str, Any]:
     """{field: value} of this run's method's config fields (the exported
     checkpoint's card records them)."""
     return {name: getattr(self, name) for name in self.config_fields(self.method)}
 
+
+# the ranges `check` holds the fields to
+_AT_LEAST_ONE = ("max_new_tokens", "max_prompt_tokens", "gen_batch_size", "long_prompt_tokens",
+                 "long_seq_len", "seq_len", "feature_batch", "steps", "eval_every", "save_every",
+                 "log_every", "processes", "num_heads", "batch_positions",
+                 "valid_max_positions", "ttt_steps", "head_layers", "batch_tokens", "window",
+                 "batch_windows", "eval_k", "valid_max_windows", "draft_layers", "batch_seqs",
+                 "valid_max_seqs")
+_AT_LEAST_ZERO = ("num_examples", "valid_sequences", "train_positions", "seed",
+                  "reference_examples", "long_reference_examples", "warmup", "patience",
+                  "local_devices", "draft_vocab", "teacher_top_k", "train_eval_sequences")
+# (name, low, high or None, low excluded, high excluded)
+_REALS = (("lr", 0.0, None, True, False), ("weight_decay", 0.0, None, False, False),
+          ("clip", 0.0, None, True, False), ("epochs", 0.0, None, False, False),
+          ("decay", 0.0, None, True, False), ("w_reg", 0.0, None, False, False),
+          ("w_cls", 0.0, None, False, False), ("noise", 0.0, None, False, False),
+          ("feature_dropout", 0.0, 1.0, False, True),
+          ("sample_fraction", 0.0, 1.0, False, False),
+          ("valid_fraction", 0.0, 1.0, False, True))
 
 _EAGLE = ("draft_vocab", "ttt_steps", "w_reg", "w_cls", "noise", "feature_dropout", "decay",
           "teacher_top_k",
