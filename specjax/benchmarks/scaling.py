@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 import os
 from typing import Callable, Dict, List, Optional
 
@@ -28,7 +27,7 @@ from specjax.benchmarks import questions, specbench
 from specjax.drafters import registry
 from specjax.errors import ConfigValueError
 from specjax.io import jsonl
-from specjax.settings import RunSettings, require
+from specjax.settings import RunSettings, require, require_real, require_whole
 from specjax.training import distill_data, run as train_run
 from specjax.training.settings import TrainSettings
 
@@ -81,12 +80,9 @@ def check(c: ScalingSettings) -> None:
                     ("train_eval_sequences", 0), ("patience", 1), ("eval_every", 1),
                     ("eval_k", 1), ("bench_k", 1), ("bench_prompt_limit", 0),
                     ("bench_max_new_tokens", 1)):
-    value = getattr(c, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-      raise ConfigValueError(f"{name} must be a whole number >= {low}, got {value!r}")
-  if not (isinstance(c.epochs, numbers.Real) and math.isfinite(c.epochs) and c.epochs > 0):
-    raise ConfigValueError(f"epochs must be > 0 (an upper bound: each point stops early), "
-                           f"got {c.epochs!r}")
+    require_whole(name, getattr(c, name), low)
+  require_real("epochs", c.epochs, 0.0, low_open=True,
+               why="an upper bound: each point stops early")
 
 
 def points(c: ScalingSettings, available: int) -> List[Dict[str, int]]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import numbers
 import os
 import random
 import time
@@ -35,6 +34,7 @@ from specjax.decoding import continuous
 from specjax.errors import BadInputError, ConfigValueError, MalformedFileError
 from specjax.io import gguf as gguf_io
 from specjax.io import jsonl
+from specjax.settings import require_whole
 from specjax.training import decontaminate as decontaminate_lib
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -317,10 +317,8 @@ def check_selection(*, valid_sequences: int = 0, train_positions: int = 0,
   negative count, silently misread them): callable before the data exists."""
   if train_order not in TRAIN_ORDERS:
     raise ValueError(f"unknown train_order {train_order!r} (known: {', '.join(TRAIN_ORDERS)})")
-  for name, value, zero in (("valid_sequences", valid_sequences, "the records' own hash split"),
-                            ("train_positions", train_positions, "every training record")):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-      raise ValueError(f"{name} must be a whole number >= 0 (0: {zero}), got {value!r}")
+  require_whole("valid_sequences", valid_sequences, 0, "0: the records' own hash split")
+  require_whole("train_positions", train_positions, 0, "0: every training record")
 
 
 def select(records: Sequence[dict], *, valid_sequences: int = 0, train_positions: int = 0,

@@ -10,11 +10,10 @@ into these settings once (`TrainSettings.of(config)`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from typing import Any, Dict, Optional, Tuple
 
-from specjax.settings import RunSettings
+from specjax.settings import RunSettings, require_real, require_whole
 
 METHODS = ("medusa", "eagle", "eagle3", "draft_model")
 
@@ -167,18 +166,9 @@ class TrainSettings(RunSettings):
       raise ValueError(f"unknown drafter to train {self.method!r} (known: {', '.join(METHODS)})")
     for names, low in ((_AT_LEAST_ONE, 1), (_AT_LEAST_ZERO, 0)):
       for name in names:
-        value = getattr(self, name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-          raise ValueError(f"{name} must be a whole number >= {low}, got {value!r}")
+        require_whole(name, getattr(self, name), low)
     for name, low, high, low_open, high_open in _REALS:
-      value = getattr(self, name)
-      ok = (not isinstance(value, bool) and isinstance(value, numbers.Real)
-            and math.isfinite(value) and (value > low if low_open else value >= low)
-            and (high is None or (value < high if high_open else value <= high)))
-      if not ok:
-        where = ("(" if low_open else "[") + f"{low:g}, " + (
-            "inf)" if high is None else f"{high:g}" + (")" if high_open else "]"))
-        raise ValueError(f"{name} must be a finite number in {where}, got {value!r}")
+      require_real(name, getattr(self, name), low, high, low_open=low_open, high_open=high_open)
     if self.head_init_layer is not None and (
         isinstance(self.head_init_layer, bool)
         or not isinstance(self.head_init_layer, numbers.Integral)):
