@@ -9,7 +9,6 @@ turns its ConfigDict into it once (`GenerateSettings.of`), at the boundary.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import resource
 import statistics
 from typing import Optional
@@ -22,7 +21,7 @@ from specjax.drafters.settings import DrafterSettings
 from specjax.errors import ConfigValueError
 from specjax.io.load import Model, load_model
 from specjax.models import invariant as invariant_lib
-from specjax.settings import RunSettings, require
+from specjax.settings import RunSettings, require, require_whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +42,7 @@ class GenerateSettings(RunSettings):
   batch_size: int = 1  # the prompt is repeated with distinct request ids
   seed: int = 0
   cache_slots: Optional[int] = None  # None: the model's context length
-  repeats: int = 1  # timed repeats after a compile run
+  repeats: int = 1  # timed repeats after a compile run (0: the compile run only, no speeds)
   method: str = "ar"  # or a drafter of specjax.drafters.registry, run against AR interleaved
   mesh: str = ""  # 'data,model' device mesh (specjax.sharding); '': the default device
   sampling: sampling_lib.SamplingConfig = sampling_lib.GREEDY
@@ -76,12 +75,8 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
   from specjax.drafters import registry  # pylint: disable=import-outside-toplevel
 
   require(c, GenerateSettings, "runner.generate")
-  for name in ("batch_size", "repeats", "max_new_tokens"):  # before the model loads
-    value = getattr(c, name)
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-      raise ConfigValueError(f"{name} must be an integer >= 1, got {value!r}"
-                             + (" (the timed runs: 0 would report the compile run's speed)"
-                                if name == "repeats" else ""))
+  for name, low in (("batch_size", 1), ("repeats", 0), ("max_new_tokens", 1)):
+    require_whole(name, getattr(c, name), low)  # before the model loads
   sampling = c.sampling
   methods = ("ar",) + registry.available_methods()
   if c.method != "ar":
@@ -126,8 +121,8 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
     if run_spec is not None:
       spec_runs.append(run_spec())
   main_runs = spec_runs or ar_runs
-  timed = main_runs[1:] or main_runs
-  result = timed[-1]
+  timed = main_runs[1:]  # repeats = 0: the compile run only, and no speed to report
+  result = (timed or main_runs)[-1]
   tps = [r.decode_tokens_per_s for r in timed]
   out = {
       "method": c.method,
@@ -135,9 +130,11 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
       "prompt_tokens": len(prompt),
       "new_tokens": result.num_new_tokens,
       "batch_size": len(prompts),
-      "tokens_per_s": statistics.median(tps),
-      "ms_per_token": 1e3 / statistics.median(tps),
-      "time_to_first_token_s": statistics.median(r.prefill_s for r in timed),
+      "timed_runs": len(timed),
+      "tokens_per_s": statistics.median(tps) if timed else None,
+      "ms_per_token": 1e3 / statistics.median(tps) if timed else None,
+      "time_to_first_token_s": (statistics.median(r.prefill_s for r in timed) if timed
+                                else None),
       "compile_and_first_run_s": main_runs[0].prefill_s + main_runs[0].decode_s,
       "dtype": model.cfg.dtype,
       "temperature": sampling.temperature,
@@ -145,17 +142,17 @@ def generate(c: GenerateSettings, model: Optional[Model] = None) -> dict:
       "top_p": sampling.top_p,
   }
   if spec_runs:
-    ar_timed = ar_runs[1:] or ar_runs
-    ar_tps = statistics.median(r.decode_tokens_per_s for r in ar_timed)
+    ar_tps = (statistics.median(r.decode_tokens_per_s for r in ar_runs[1:]) if timed
+              else None)
     out.update({
         "k": drafter.k,
         "alpha": result.alpha,
         "tau": result.tau,
         "ar_tokens_per_s": ar_tps,
-        "speedup": statistics.median(tps) / ar_tps,
+        "speedup": statistics.median(tps) / ar_tps if timed else None,
         "greedy_identical": (None if not sampling.greedy else all(
             _identical(a, b, model.cfg.eos_id)
-            for r in timed for a, b in zip(r.tokens, ar_timed[-1].tokens))),
+            for r in (timed or main_runs) for a, b in zip(r.tokens, ar_runs[-1].tokens))),
         "lossy": result.lossy,
     })
   out["peak_rss_mb"] = peak_rss_mb()

@@ -31,28 +31,34 @@ def _load_config_file(name):
 
 smollm2_config = _load_config_file("smollm2")
 
-METRICS = {"method", "prompt_tokens", "new_tokens", "batch_size", "tokens_per_s", "ms_per_token",
+METRICS = {"method", "prompt_tokens", "new_tokens", "batch_size", "timed_runs", "tokens_per_s",
+           "ms_per_token",
            "time_to_first_token_s", "compile_and_first_run_s", "dtype", "temperature", "top_k",
            "top_p", "peak_rss_mb"}
 
 
-def small_config(variant=None, max_new_tokens=8):
+def small_config(variant=None, max_new_tokens=8, repeats=0):
   c = smollm2_config.get_config(variant)
   c.max_new_tokens = max_new_tokens  # the config is locked: existing fields only
-  c.repeats = 0
+  c.repeats = repeats
   return c
 
 
-@pytest.mark.parametrize("variant, temperature, top_p", [(None, 0.0, 1.0), ("sample", 0.7, 0.9)])
-def test_generate_from_config(smollm2, variant, temperature, top_p):
-  out = runner.generate_from_config(small_config(variant), model=smollm2)
+@pytest.mark.parametrize("variant, temperature, top_p, repeats",
+                         [(None, 0.0, 1.0, 0), ("sample", 0.7, 0.9, 1)])
+def test_generate_from_config(smollm2, variant, temperature, top_p, repeats):
+  out = runner.generate_from_config(small_config(variant, repeats=repeats), model=smollm2)
   assert METRICS | {"answer"} <= set(out)
   assert isinstance(out["answer"], str) and out["answer"].strip()
   assert out["method"] == "ar" and out["dtype"] == "float32" and out["batch_size"] == 1
   assert (out["temperature"], out["top_p"]) == (temperature, top_p)
   assert 0 < out["new_tokens"] <= 8
   assert out["prompt_tokens"] > 10
-  assert out["tokens_per_s"] > 0 and out["ms_per_token"] > 0
+  assert out["timed_runs"] == repeats and out["compile_and_first_run_s"] > 0
+  if repeats:
+    assert out["tokens_per_s"] > 0 and out["ms_per_token"] > 0
+  else:  # the compile run alone: no speed is reported as if measured
+    assert out["tokens_per_s"] is None and out["ms_per_token"] is None
   json.dumps(out)  # what the main prints must be JSON
 
 
@@ -117,12 +123,13 @@ def test_unknown_method_raises(smollm2):
     runner.generate_from_config(c, model=smollm2)
 
 
-@pytest.mark.parametrize("field,value", [("repeats", 0), ("batch_size", 0),
-                                         ("max_new_tokens", -2), ("repeats", 1.5),
-                                         ("batch_size", True)])
-def test_counts_below_one_are_refused_before_the_model_loads(field, value):
+@pytest.mark.parametrize("field,value,low", [("repeats", -1, 0), ("batch_size", 0, 1),
+                                             ("max_new_tokens", -2, 1), ("repeats", 1.5, 0),
+                                             ("batch_size", True, 1)])
+def test_counts_out_of_range_are_refused_before_the_model_loads(field, value, low):
   # no model given: the refusal comes before anything loads
-  with pytest.raises(ConfigValueError, match=f"{field} must be an integer >= 1, got {value!r}"):
+  with pytest.raises(ConfigValueError,
+                     match=f"{field} must be a whole number >= {low}, got {value!r}"):
     runner.generate(runner.GenerateSettings(model="no-such-model", **{field: value}))
 
 
