@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 
 from specjax.benchmarks import datagen
+from specjax.errors import ConfigValueError
 
 
 @pytest.mark.slow  # generates with every way measured
@@ -54,6 +55,9 @@ def test_datagen_takes_its_settings_dataclass(load_config):
       16, 64, 8, 1)
   with pytest.raises(TypeError, match="DatagenSettings"):
     datagen.run(load_config("datagen.py", "quick"), progress=lambda line: None)
+  for field, value in (("num_prompts", 0), ("repeats", 0), ("batch_size", -1), ("seed", -1)):
+    with pytest.raises(ConfigValueError, match=f"{field} must be a whole number"):
+      datagen.run(dataclasses.replace(quick, **{field: value}), progress=lambda line: None)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,

@@ -58,6 +58,21 @@ def test_generate_is_deterministic_and_resumes(smollm2, tmp_path):
 GOOD = {"id": "alpaca/1", "split": "train", "prompt": [1, 2], "answer": [3, 2]}
 
 
+@pytest.mark.parametrize("field, value, match", [
+    ("batch_size", 0, "batch_size must be a whole number >= 1"),
+    ("seed", -1, "seed must be a whole number >= 0"),
+    ("max_new_tokens", 0, "max_new_tokens must be a whole number >= 1"),
+    ("sample_fraction", 1.5, r"sample_fraction must be a finite number in \[0, 1\]"),
+    ("valid_fraction", 1.0, r"valid_fraction must be a finite number in \[0, 1\)")])
+def test_generation_settings_out_of_range_are_refused_before_the_file(tmp_path, field, value,
+                                                                     match):
+  path = tmp_path / "d.jsonl"
+  with pytest.raises(ConfigValueError, match=match):  # no model is needed to refuse them
+    distill_data.generate_dataset(None, str(path), sources=SOURCES, num_examples=2,
+                                  **{field: value})
+  assert not path.exists()
+
+
 @pytest.mark.parametrize("bad, match", [
     ({k: v for k, v in GOOD.items() if k != "answer"}, "'answer' must be a list of token ids"),
     ([1, 2, 3], "expected a JSON object, got list"),

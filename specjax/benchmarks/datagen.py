@@ -40,7 +40,7 @@ from specjax import sampling as sampling_lib
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import continuous
 from specjax.io.load import load_model
-from specjax.settings import RunSettings, require
+from specjax.settings import RunSettings, require, require_whole
 from specjax.training import distill_data
 
 WAYS = ("static", "continuous", "hf", "llamacpp")
@@ -115,6 +115,9 @@ def run(c: DatagenSettings, progress: Optional[Callable[[str], None]] = None) ->
   """The ways of settings `c` (`DatagenSettings.of(config)` reads
   configs/datagen.py's ConfigDict) -> {"rows": [...], "markdown": str}"""
   require(c, DatagenSettings, "datagen.run")
+  for name, low in (("num_prompts", 1), ("max_prompt_tokens", 1), ("max_new_tokens", 1),
+                    ("batch_size", 1), ("repeats", 1), ("seed", 0)):
+    require_whole(name, getattr(c, name), low)
   progress = progress or print
   sources = [s for s in c.sources.split(",") if s]
   dtypes = [d for d in c.dtypes.split(",") if d]

@@ -34,7 +34,7 @@ from specjax.decoding import continuous
 from specjax.errors import BadInputError, ConfigValueError, MalformedFileError
 from specjax.io import gguf as gguf_io
 from specjax.io import jsonl
-from specjax.settings import require_whole
+from specjax.settings import require_real, require_whole
 from specjax.training import decontaminate as decontaminate_lib
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -181,6 +181,14 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
   interleaved order, and appended as they finish; example n is request n, so
   its answer does not depend on the batch it shared.
   """
+  for name, value, low in (("num_examples", num_examples, 0), ("seed", seed, 0),
+                           ("max_new_tokens", max_new_tokens, 1),
+                           ("max_prompt_tokens", max_prompt_tokens, 1),
+                           ("batch_size", batch_size, 1), ("chunk_steps", chunk_steps, 1),
+                           ("block_examples", block_examples, 1)):
+    require_whole(name, value, low)
+  require_real("sample_fraction", sample_fraction, 0.0, 1.0)
+  require_real("valid_fraction", valid_fraction, 0.0, 1.0, high_open=True)
   progress = progress or (lambda s: None)
   tok = model.tokenizer
   existing = read_records(path)
