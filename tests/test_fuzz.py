@@ -228,6 +228,14 @@ def test_prompt_file_errors_name_file_and_line(tmp_path, line, match):
     questions.load_questions(str(path))
 
 
+def test_prompt_limit_is_a_count(tmp_path):
+  path = tmp_path / "q.jsonl"
+  path.write_text("".join(json.dumps(p) + "\n" for p in fuzz.PROMPTS))
+  with pytest.raises(errors.ConfigValueError, match="prompt_limit must be a whole number >= 0"):
+    questions.load_questions(str(path), -1)  # was "no questions", blaming the file
+  assert len(questions.load_questions(str(path), 0)) == len(fuzz.PROMPTS)  # 0: all
+
+
 @pytest.mark.parametrize("config, match", [
     ({"temperature": -0.5}, "temperature must be >= 0"),
     ({"temperature": "hot"}, "temperature must be a number"),

@@ -6,6 +6,7 @@ No timing thresholds: only that every mode runs, records its settings, and that
 HF's greedy speculative outputs equal HF's greedy AR output (transformers' own
 exactness, a sanity check of how the peer drives it)."""
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from specjax.benchmarks import peers as peers_bench
+from specjax.errors import ConfigValueError
 from specjax.io import hf as hf_io
 from specjax.models import transformer
 from specjax.models.config import tiny_config
@@ -118,6 +120,12 @@ def test_peers_take_their_settings_dataclass():
       "prompt lookup": "prompt_lookup@k=4@max_ngram=3@min_ngram=1"}
   with pytest.raises(TypeError, match="PeersSettings"):
     peers_bench.run_peers(module.get_config(), progress=lambda line: None)
+  # a count out of range is refused by name before any work (these ran, or said "no questions")
+  for field, value in (("lookup_k", 0), ("threads", -1), ("llamacpp_ctx", 0), ("repeats", 0),
+                       ("prompt_limit", -1), ("max_new_tokens", 2.5)):
+    with pytest.raises(ConfigValueError, match=f"{field} must be a whole number >= "):
+      peers_bench.run_peers(dataclasses.replace(quick, **{field: value}, out="/nonexistent/x"),
+                            progress=lambda line: None)
 
 
 def _peers_config(tmp_path, tiny, **overrides):

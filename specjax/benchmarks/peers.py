@@ -64,7 +64,7 @@ from specjax.drafters import registry
 from specjax.drafters.settings import DrafterSettings
 from specjax.io.load import Model, load_model
 from specjax.peers import hf, llamacpp
-from specjax.settings import RunSettings, require
+from specjax.settings import RunSettings, require, require_whole
 
 SPECJAX, HF, LLAMACPP = peers_report.SPECJAX, peers_report.HF, peers_report.LLAMACPP
 LOG = "log.jsonl"
@@ -422,10 +422,10 @@ def run_peers(c: PeersSettings, model: Optional[Model] = None,
   t_start = time.perf_counter()
   commit = report.git_commit()
   progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+  for name, low in (("repeats", 1), ("max_new_tokens", 1), ("prompt_limit", 0),
+                    ("threads", 0), ("llamacpp_ctx", 1), ("lookup_k", 1)):
+    require_whole(name, getattr(c, name), low)
   repeats = int(c.repeats)
-  if repeats < 1 or int(c.max_new_tokens) < 1:
-    raise ValueError(f"repeats and max_new_tokens must be >= 1, got {repeats}, "
-                     f"{c.max_new_tokens}")
   if c.hf and not hf.available():
     raise ImportError(f"hf=True needs the 'peers' extra: {hf.EXTRA_HINT}")
   questions = questions_lib.load_questions(c.prompts, c.prompt_limit)

@@ -11,6 +11,7 @@ import os
 from typing import List, Optional, Sequence
 
 from specjax.errors import PromptFileError
+from specjax.settings import require_whole
 
 # Request ids (key derivation): question_id * TURN_IDS + turn.
 TURN_IDS = 16
@@ -56,6 +57,8 @@ def load_questions(path: str, prompt_limit: Optional[int] = None) -> List[Questi
   non-negative integer), `category` (a string) or `turns` (a non-empty list of
   strings), a repeated question_id, or a file without questions.
   """
+  if prompt_limit is not None:
+    require_whole("prompt_limit", prompt_limit, 0, "questions per category; 0: all")
   out, seen, ids = [], {}, {}
   try:
     f = open(path, "rb")
