@@ -69,6 +69,11 @@ def test_report_refuses_a_log_of_other_settings_and_a_missing_out(tmp_path):
     invariance.run(_config(tmp_path, out=""), progress=lambda s: None)
   with pytest.raises(ConfigValueError, match="parts must be"):
     invariance.run(_config(tmp_path, parts="cost,magic"), progress=lambda s: None)
+  # counts out of range are refused by name before any model loads (these ran)
+  for field, value in (("max_new_tokens", 0), ("repeats", -1), ("batch_size", 0),
+                       ("speedup_tokens", 0), ("prompt_limit", -1)):
+    with pytest.raises(ConfigValueError, match=f"{field} must be a whole number >= "):
+      invariance.run(_config(tmp_path, parts="cost", **{field: value}), progress=lambda s: None)
 
 
 def _get_config(arg=None):

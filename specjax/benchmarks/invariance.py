@@ -70,7 +70,7 @@ from specjax.models.config import MAX_INVARIANT_TILE
 from specjax.models import cache as cache_lib
 from specjax.models import invariant as invariant_lib
 from specjax.models import transformer
-from specjax.settings import RunSettings, require
+from specjax.settings import RunSettings, require, require_whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -544,6 +544,10 @@ def run(c: InvarianceSettings, progress: Optional[Callable[[str], None]] = None)
                            f"'cost,identity,report,bitwise,speedup', got {c.parts!r}")
   if "report" in parts and not c.out:
     raise ConfigValueError("parts=report renders `out`/identity.jsonl: set out")
+  for name, low in (("max_new_tokens", 1), ("repeats", 1), ("verify_calls", 1),
+                    ("prompt_limit", 0), ("batch_size", 1), ("identity_tile", 0),
+                    ("speedup_limit", 0), ("speedup_tokens", 1)):
+    require_whole(name, getattr(c, name), low)
   if "cost" in parts:
     _contexts(c)  # a malformed list fails before any model loads
   bitwise_rows = bitwise_check(c, progress) if "bitwise" in parts else None
