@@ -194,6 +194,10 @@ def test_benchmark_refuses_repeated_or_unknown_methods(smollm2_short, tmp_path):
     c = _config(tmp_path, methods=methods)
     with pytest.raises(ValueError, match=match):
       specbench.run_benchmark(c, model=smollm2_short, progress=lambda line: None)
+  for field, value in (("processes", 0), ("local_devices", -1)):  # these ran
+    c = dataclasses.replace(_config(tmp_path, methods="prompt_lookup"), **{field: value})
+    with pytest.raises(ValueError, match=f"{field} must be a whole number >= "):
+      specbench.run_benchmark(c, model=smollm2_short, progress=lambda line: None)
 
 
 def test_benchmark_takes_its_settings_dataclass(tmp_path):

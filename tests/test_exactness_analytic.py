@@ -2,6 +2,7 @@
 and the statistical tests themselves (which must pass exact samplers and
 reject wrong ones)."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -10,6 +11,7 @@ from scipy import stats
 
 from specjax.analysis import exactness as ex
 from specjax.analysis import vetting
+from specjax.errors import ConfigValueError
 
 
 def _onehot(i, V):
@@ -235,3 +237,13 @@ def test_exactness_matrix_takes_its_settings_dataclass(load_config):
       "draft_model", "T1=1.0/0/1.0", "3", "1")
   with pytest.raises(TypeError, match="MatrixSettings"):
     vetting.run_matrix(load_config("exactness.py", "quick"), log=lambda line: None)
+  # settings out of range are refused by name before the tiny pair is built (num_samples 0
+  # was an IndexError, batch_sizes past the 4 prompts silently ran fewer rows)
+  for fields, match in ((dict(num_samples=0), "num_samples must be a whole number >= 1"),
+                        (dict(family_alpha=-1.0), r"family_alpha must be .* \(0, 1\)"),
+                        (dict(batch_sizes="1,5"), "batch_sizes='1,5'.*<= 4"),
+                        (dict(ks="0"), "ks='0'.*>= 1"),
+                        (dict(samplings="T1=1.0/0"), "'T1=1.0/0' is not name=temperature"),
+                        (dict(drafters="medusa"), r"unknown \['medusa'\]")):
+    with pytest.raises(ConfigValueError, match=match):
+      vetting.run_matrix(dataclasses.replace(quick, **fields), log=lambda line: None)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Optional
 
 import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax.analysis import exactness
 from specjax.analysis import montecarlo
-from specjax.settings import RunSettings, require
+from specjax.errors import ConfigValueError
+from specjax.settings import RunSettings, require, require_real, require_whole
 
 # Prompts of the tiny vocabulary: B = 4 is a ragged batch of these.
 PROMPTS = [[3, 5, 1, 6], [2, 7], [4, 4, 1, 3, 4], [6]]
@@ -26,7 +28,7 @@ class MatrixSettings(RunSettings):
   # name=temperature/top_k/top_p
   samplings: str = "T1=1.0/0/1.0,T0.7=0.7/0/1.0,topk=1.0/4/1.0,topp=1.0/0/0.9"
   ks: str = "1,3,5"
-  batch_sizes: str = "1,4"  # B rows of PROMPTS (B = 4: a ragged batch)
+  batch_sizes: str = "1,4"  # B rows of PROMPTS (B = 4: a ragged batch; at most len(PROMPTS))
   num_samples: int = 100_000  # requests per setting, shared by its B prompts
   num_tokens: int = 4  # the joint law of the first num_tokens emitted tokens
   seed: int = 0
@@ -50,16 +52,55 @@ def make_tiny_drafter(name: str, k: int, dcfg):
   if name == "lookahead":
     from specjax.drafters.lookahead import Lookahead  # pylint: disable=import-outside-toplevel
     return Lookahead(k=k), False
-  raise ValueError(f"unknown drafter {name!r} (draft_model, layer_skip, prompt_lookup, lookahead)")
+  raise ValueError(f"unknown drafter {name!r} ({', '.join(DRAFTERS)})")
+
+
+DRAFTERS = ("draft_model", "layer_skip", "prompt_lookup", "lookahead")
 
 
 def parse_samplings(spec: str):
+  """'name=temperature/top_k/top_p,...' -> {name: SamplingConfig}; a malformed
+  item is refused by name (ConfigValueError)."""
   out = {}
   for item in spec.split(","):
-    name, vals = item.split("=")
-    t, k, p = vals.split("/")
-    out[name] = sampling_lib.SamplingConfig(temperature=float(t), top_k=int(k), top_p=float(p))
+    try:
+      name, vals = item.split("=")
+      t, k, p = vals.split("/")
+      sampling = sampling_lib.SamplingConfig(temperature=float(t), top_k=int(k),
+                                             top_p=float(p))
+    except ValueError as e:
+      raise ConfigValueError(f"samplings={spec!r}: {item!r} is not "
+                             f"name=temperature/top_k/top_p ({e})") from e
+    out[name] = sampling
   return out
+
+
+def _counts(name: str, spec: str, high: Optional[int] = None) -> list:
+  """A comma-separated list of whole numbers >= 1 (and <= high), else
+  ConfigValueError naming the setting."""
+  try:
+    out = [int(x) for x in str(spec).split(",")]
+  except ValueError:
+    out = []
+  if not out or any(x < 1 or (high is not None and x > high) for x in out):
+    raise ConfigValueError(f"{name}={spec!r}: expected comma-separated whole numbers >= 1"
+                           + (f" and <= {high}" if high is not None else ""))
+  return out
+
+
+def check(c: MatrixSettings) -> tuple:
+  """The matrix's (drafters, samplings, ks, batch sizes), every setting
+  checked before the tiny pair is built (ConfigValueError naming the first bad one)."""
+  drafters = c.drafters.split(",")
+  unknown = [d for d in drafters if d not in DRAFTERS]
+  if unknown:
+    raise ConfigValueError(f"drafters: unknown {unknown} (known: {', '.join(DRAFTERS)})")
+  require_whole("num_samples", c.num_samples, 1)
+  require_whole("num_tokens", c.num_tokens, 1)
+  require_whole("seed", c.seed, 0)
+  require_real("family_alpha", c.family_alpha, 0.0, 1.0, low_open=True, high_open=True)
+  return (drafters, parse_samplings(c.samplings), _counts("ks", c.ks),
+          _counts("batch_sizes", c.batch_sizes, len(PROMPTS)))
 
 
 def run_matrix(c: MatrixSettings, log=print) -> list:
@@ -67,12 +108,10 @@ def run_matrix(c: MatrixSettings, log=print) -> list:
   configs/exactness.py's ConfigDict) -> one row per (setting, prompt), with
   Holm's verdict over the whole matrix."""
   require(c, MatrixSettings, "vetting.run_matrix")
+  drafters, samplings, ks, batch_sizes = check(c)
   params, cfg, dparams, dcfg = montecarlo.tiny_pair()
-  samplings = parse_samplings(c.samplings)
   rows = []
-  grid = itertools.product(c.drafters.split(","), samplings.items(),
-                           [int(k) for k in str(c.ks).split(",")],
-                           [int(b) for b in str(c.batch_sizes).split(",")])
+  grid = itertools.product(drafters, samplings.items(), ks, batch_sizes)
   for name, (sname, sampling), k, b in grid:
     drafter, uses_draft = make_tiny_drafter(name, k, dcfg)
     res = montecarlo.vet_drafter(params, cfg, drafter, PROMPTS[:b], sampling=sampling,

@@ -85,7 +85,7 @@ from specjax.errors import ConfigValueError
 from specjax.io import jsonl
 from specjax.io.load import Model, load_model
 from specjax.models import invariant as invariant_lib
-from specjax.settings import RunSettings, require
+from specjax.settings import RunSettings, require, require_whole
 
 LOG = "log.jsonl"
 PART_LOG = "log.process{}.jsonl"  # one process's records in a multi-process run
@@ -523,6 +523,8 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
   if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (repeats, batch_size)):
     raise ConfigValueError(f"repeats and batch_size must be integers >= 1, got {repeats!r}, "
                            f"{batch_size!r}")
+  require_whole("processes", c.processes, 1)
+  require_whole("local_devices", c.local_devices, 0, "0: JAX's default")
   reference = str(c.reference_dtype or "")
   own_dtype = model.cfg.dtype if model is not None else str(c.dtype)
   if reference and reference not in ("float32", "bfloat16"):
