@@ -34,6 +34,7 @@ def main(argv):
   # command starts them; process 0 writes the results, the others log to
   # out/process_<i>.log)
   settings = specbench.BenchmarkSettings.of(_CONFIG.value)  # the ConfigDict, read once
+  specbench.check_counts(settings)  # refused here, before a job's processes start
   status = distributed.run_as_job(settings.processes, settings.local_devices,
                                   log_dir=settings.out)
   if status is not None:

@@ -14,7 +14,7 @@ from ml_collections import config_flags
 
 import specjax
 from specjax import distributed
-from specjax.benchmarks import paper_tables
+from specjax.benchmarks import paper_tables, specbench
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/paper_tables.py",
                                           "Run configuration.")
@@ -26,6 +26,7 @@ def main(argv):
   # command starts them; process 0 writes the results, the others log to
   # out/process_<i>.log)
   settings = paper_tables.PaperTablesSettings.of(_CONFIG.value)  # the ConfigDict, read once
+  specbench.check_counts(settings)  # refused here, before a job's processes start
   status = distributed.run_as_job(settings.processes, settings.local_devices,
                                   log_dir=settings.out)
   if status is not None:

@@ -29,6 +29,7 @@ def main(argv):
   del argv
   # the ConfigDict, read once; a job's other processes re-run this command line
   settings = TrainSettings.of(_CONFIG.value)
+  settings.check()  # a field out of range: refused here, before a job's processes start
   status = distributed.run_as_job(settings.processes, settings.local_devices,
                                   log_dir=settings.workdir)  # before JAX starts a backend
   if status is not None:  # this was the launcher: the job has ended

@@ -16,12 +16,13 @@ from typing import Optional
 from specjax import sampling as sampling_lib
 from specjax import sharding
 from specjax.benchmarks import report
+from specjax.checks import require_whole
 from specjax.decoding import autoregressive
 from specjax.drafters.settings import DrafterSettings
 from specjax.errors import ConfigValueError
 from specjax.io.load import Model, load_model
 from specjax.models import invariant as invariant_lib
-from specjax.settings import RunSettings, require, require_whole
+from specjax.settings import RunSettings, require
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,7 @@ def test_settings_and_inputs(load_config, tmp_path):
                         (dict(sizes="-100"), "'-100' is not a whole number"),
                         (dict(sizes=" , "), "no sizes"),
                         (dict(seeds=0), "seeds must be a whole number >= 1, got 0"),
-                        (dict(epochs=0.0), "epochs must be > 0"),
+                        (dict(epochs=0.0), r"epochs must be a finite number in \(0, inf\)"),
                         (dict(bench_prompt_limit=-1), "bench_prompt_limit must be .* >= 0"),
                         (dict(eval_every=2.5), "eval_every must be a whole number >= 1")):
     with pytest.raises(ConfigValueError, match=match):

@@ -12,8 +12,9 @@ import numpy as np
 from specjax import sampling as sampling_lib
 from specjax.analysis import exactness
 from specjax.analysis import montecarlo
+from specjax.checks import require_real, require_whole
 from specjax.errors import ConfigValueError
-from specjax.settings import RunSettings, require, require_real, require_whole
+from specjax.settings import RunSettings, require
 
 # Prompts of the tiny vocabulary: B = 4 is a ragged batch of these.
 PROMPTS = [[3, 5, 1, 6], [2, 7], [4, 4, 1, 3, 4], [6]]
@@ -66,12 +67,14 @@ def parse_samplings(spec: str):
     try:
       name, vals = item.split("=")
       t, k, p = vals.split("/")
-      sampling = sampling_lib.SamplingConfig(temperature=float(t), top_k=int(k),
-                                             top_p=float(p))
+      t, k, p = float(t), int(k), float(p)
     except ValueError as e:
       raise ConfigValueError(f"samplings={spec!r}: {item!r} is not "
                              f"name=temperature/top_k/top_p ({e})") from e
-    out[name] = sampling
+    try:
+      out[name] = sampling_lib.SamplingConfig(temperature=t, top_k=k, top_p=p)
+    except ValueError as e:
+      raise ConfigValueError(f"samplings={spec!r}: {item!r}: {e}") from e
   return out
 
 

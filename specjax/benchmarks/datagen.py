@@ -37,10 +37,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 
 from specjax import sampling as sampling_lib
+from specjax.checks import require_whole
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import continuous
 from specjax.io.load import load_model
-from specjax.settings import RunSettings, require, require_whole
+from specjax.settings import RunSettings, require
 from specjax.training import distill_data
 
 WAYS = ("static", "continuous", "hf", "llamacpp")

@@ -59,6 +59,7 @@ from specjax.analysis import bitwise
 from specjax.benchmarks import questions as questions_lib
 from specjax.benchmarks import report
 from specjax.benchmarks import specbench
+from specjax.checks import require_whole
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
@@ -70,7 +71,7 @@ from specjax.models.config import MAX_INVARIANT_TILE
 from specjax.models import cache as cache_lib
 from specjax.models import invariant as invariant_lib
 from specjax.models import transformer
-from specjax.settings import RunSettings, require, require_whole
+from specjax.settings import RunSettings, require
 
 
 @dataclasses.dataclass(frozen=True)

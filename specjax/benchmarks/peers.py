@@ -60,11 +60,12 @@ from specjax.benchmarks import peers_report
 from specjax.benchmarks import questions as questions_lib
 from specjax.benchmarks import report
 from specjax.benchmarks import specbench
+from specjax.checks import require_whole
 from specjax.drafters import registry
 from specjax.drafters.settings import DrafterSettings
 from specjax.io.load import Model, load_model
 from specjax.peers import hf, llamacpp
-from specjax.settings import RunSettings, require, require_whole
+from specjax.settings import RunSettings, require
 
 SPECJAX, HF, LLAMACPP = peers_report.SPECJAX, peers_report.HF, peers_report.LLAMACPP
 LOG = "log.jsonl"

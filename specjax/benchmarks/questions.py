@@ -10,8 +10,8 @@ import json
 import os
 from typing import List, Optional, Sequence
 
+from specjax.checks import require_whole
 from specjax.errors import PromptFileError
-from specjax.settings import require_whole
 
 # Request ids (key derivation): question_id * TURN_IDS + turn.
 TURN_IDS = 16

@@ -24,10 +24,11 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from specjax.benchmarks import questions, specbench
+from specjax.checks import require_real, require_whole
 from specjax.drafters import registry
 from specjax.errors import ConfigValueError
 from specjax.io import jsonl
-from specjax.settings import RunSettings, require, require_real, require_whole
+from specjax.settings import RunSettings, require
 from specjax.training import distill_data, run as train_run
 from specjax.training.settings import TrainSettings
 
@@ -107,6 +108,19 @@ def fit(rows: List[dict], key: str = "bench_tau") -> Optional[Dict[str, float]]:
   return {"a": float(a), "b": float(b), "per_doubling": float(b * math.log(2))}
 
 
+def _point_settings(c: ScalingSettings, train: TrainSettings, p: Dict[str, int],
+                    ids_path: str) -> TrainSettings:
+  """The training run of point `p` (positions, seed): the recipe `train` with
+  its data, cadence and output fields set by `c`."""
+  name = f"{p['positions']}_s{p['seed']}"
+  return dataclasses.replace(
+      train, data_path=c.data_path, num_examples=0, valid_ids_path=ids_path,
+      train_positions=p["positions"], seed=p["seed"], epochs=c.epochs, patience=c.patience,
+      eval_every=c.eval_every, save_every=c.eval_every, eval_k=c.eval_k,
+      valid_max_windows=c.valid_sequences, train_eval_sequences=c.train_eval_sequences,
+      workdir=os.path.join(c.out, name), export=os.path.join(c.out, name, "export"))
+
+
 def run_scaling(c: ScalingSettings, train: TrainSettings,
                 progress: Optional[Callable[[str], None]] = None) -> dict:
   """Train and measure every point of `c`, with the recipe `train` (a
@@ -114,6 +128,8 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
   require(c, ScalingSettings, "scaling.run_scaling")
   require(train, TrainSettings, "scaling.run_scaling")
   check(c)
+  # the recipe as every point runs it, checked before the data is read
+  _point_settings(c, train, {"positions": sizes(c)[0], "seed": 0}, "").check()
   progress = progress or (lambda s: print(s, flush=True))
 
   def bench_method(export: str) -> str:
@@ -150,12 +166,7 @@ def run_scaling(c: ScalingSettings, train: TrainSettings,
     if (p["positions"], p["seed"]) in done:
       continue
     name = f"{p['positions']}_s{p['seed']}"
-    ts = dataclasses.replace(
-        train, data_path=c.data_path, num_examples=0, valid_ids_path=ids_path,
-        train_positions=p["positions"], seed=p["seed"], epochs=c.epochs, patience=c.patience,
-        eval_every=c.eval_every, save_every=c.eval_every, eval_k=c.eval_k,
-        valid_max_windows=c.valid_sequences, train_eval_sequences=c.train_eval_sequences,
-        workdir=os.path.join(c.out, name), export=os.path.join(c.out, name, "export"))
+    ts = _point_settings(c, train, p, ids_path)
     out = train_run.run(ts, progress=progress)
     bench = specbench.run_benchmark(specbench.BenchmarkSettings(
         model=train.model, dtype=train.dtype, repeats=1, calibrate=False,

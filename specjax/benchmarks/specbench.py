@@ -77,6 +77,7 @@ from specjax.benchmarks import report
 from specjax.benchmarks import specbench_report
 from specjax.benchmarks.questions import (SPEC_BENCH, TURN_IDS, chat_messages, load_questions,
                                          make_units, unit_id)
+from specjax.checks import require_whole
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
@@ -85,7 +86,7 @@ from specjax.errors import ConfigValueError
 from specjax.io import jsonl
 from specjax.io.load import Model, load_model
 from specjax.models import invariant as invariant_lib
-from specjax.settings import RunSettings, require, require_whole
+from specjax.settings import RunSettings, require
 
 LOG = "log.jsonl"
 PART_LOG = "log.process{}.jsonl"  # one process's records in a multi-process run
@@ -485,6 +486,16 @@ def _read_logs(out: str) -> List[dict]:
   return records
 
 
+def check_counts(c: BenchmarkSettings) -> None:
+  """The run's counts, checked in plain Python (ConfigValueError naming the
+  first out of range): the experiment mains call it before a job's processes
+  start, `run_benchmark` again."""
+  for name, low in (("repeats", 1), ("batch_size", 1), ("max_new_tokens", 1),
+                    ("prompt_limit", 0), ("processes", 1), ("local_devices", 0)):
+    if getattr(c, name) is not None or name != "prompt_limit":  # prompt_limit None: all
+      require_whole(name, getattr(c, name), low)
+
+
 def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
                   progress: Optional[Callable[[str], None]] = None,
                   reference_model: Optional[Model] = None) -> dict:
@@ -519,12 +530,8 @@ def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,
     k = mc.k
     if base not in registry.LOOKAHEAD_METHODS and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
       raise ConfigValueError(f"draft length k must be an integer >= 1, got {k!r} for {m}")
+  check_counts(c)
   repeats, batch_size = c.repeats, c.batch_size
-  if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in (repeats, batch_size)):
-    raise ConfigValueError(f"repeats and batch_size must be integers >= 1, got {repeats!r}, "
-                           f"{batch_size!r}")
-  require_whole("processes", c.processes, 1)
-  require_whole("local_devices", c.local_devices, 0, "0: JAX's default")
   reference = str(c.reference_dtype or "")
   own_dtype = model.cfg.dtype if model is not None else str(c.dtype)
   if reference and reference not in ("float32", "bfloat16"):

@@ -30,11 +30,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from specjax import sampling as sampling_lib
+from specjax.checks import require_real, require_whole
 from specjax.decoding import continuous
 from specjax.errors import BadInputError, ConfigValueError, MalformedFileError
 from specjax.io import gguf as gguf_io
 from specjax.io import jsonl
-from specjax.settings import require_real, require_whole
 from specjax.training import decontaminate as decontaminate_lib
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -163,6 +163,25 @@ def check_record(r, where: str) -> None:
                                f"(non-negative integers{', at least one' if least else ''})")
 
 
+def check_generation(*, num_examples: int, seed: int = 0, max_new_tokens: int = 192,
+                     max_prompt_tokens: int = 256, batch_size: int = 8,
+                     sample_fraction: float = 0.25, temperature: float = 0.7,
+                     top_p: float = 0.9, valid_fraction: float = 0.05, chunk_steps: int = 16,
+                     block_examples: int = 1024) -> sampling_lib.SamplingConfig:
+  """`generate_dataset`'s settings checked without a model or a file
+  (ConfigValueError naming the first one out of range) -> the sampled
+  answers' SamplingConfig."""
+  for name, value, low in (("num_examples", num_examples, 0), ("seed", seed, 0),
+                           ("max_new_tokens", max_new_tokens, 1),
+                           ("max_prompt_tokens", max_prompt_tokens, 1),
+                           ("batch_size", batch_size, 1), ("chunk_steps", chunk_steps, 1),
+                           ("block_examples", block_examples, 1)):
+    require_whole(name, value, low)
+  require_real("sample_fraction", sample_fraction, 0.0, 1.0)
+  require_real("valid_fraction", valid_fraction, 0.0, 1.0, high_open=True)
+  return sampling_lib.SamplingConfig(temperature=temperature, top_p=top_p)
+
+
 def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: int,
                      seed: int = 0, max_new_tokens: int = 192, max_prompt_tokens: int = 256,
                      batch_size: int = 8, sample_fraction: float = 0.25,
@@ -181,14 +200,11 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
   interleaved order, and appended as they finish; example n is request n, so
   its answer does not depend on the batch it shared.
   """
-  for name, value, low in (("num_examples", num_examples, 0), ("seed", seed, 0),
-                           ("max_new_tokens", max_new_tokens, 1),
-                           ("max_prompt_tokens", max_prompt_tokens, 1),
-                           ("batch_size", batch_size, 1), ("chunk_steps", chunk_steps, 1),
-                           ("block_examples", block_examples, 1)):
-    require_whole(name, value, low)
-  require_real("sample_fraction", sample_fraction, 0.0, 1.0)
-  require_real("valid_fraction", valid_fraction, 0.0, 1.0, high_open=True)
+  sampled = check_generation(
+      num_examples=num_examples, seed=seed, max_new_tokens=max_new_tokens,
+      max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
+      sample_fraction=sample_fraction, temperature=temperature, top_p=top_p,
+      valid_fraction=valid_fraction, chunk_steps=chunk_steps, block_examples=block_examples)
   progress = progress or (lambda s: None)
   tok = model.tokenizer
   existing = read_records(path)
@@ -201,7 +217,6 @@ def generate_dataset(model, path: str, *, sources: Sequence[str], num_examples: 
   chosen = interleave(sources, load_instructions(sources, data_dir), num_examples, seed)
   coin = np.random.default_rng(seed).random(len(chosen))
   greedy = sampling_lib.GREEDY
-  sampled = sampling_lib.SamplingConfig(temperature=temperature, top_p=top_p)
   todo = []
   for n, (eid, text) in enumerate(chosen):
     if eid in done:
@@ -324,7 +339,8 @@ def check_selection(*, valid_sequences: int = 0, train_positions: int = 0,
   """ValueError naming the setting if `select` would refuse these (or, for a
   negative count, silently misread them): callable before the data exists."""
   if train_order not in TRAIN_ORDERS:
-    raise ValueError(f"unknown train_order {train_order!r} (known: {', '.join(TRAIN_ORDERS)})")
+    raise ConfigValueError(f"unknown train_order {train_order!r} (known: "
+                           f"{', '.join(TRAIN_ORDERS)})")
   require_whole("valid_sequences", valid_sequences, 0, "0: the records' own hash split")
   require_whole("train_positions", train_positions, 0, "0: every training record")
 

@@ -60,18 +60,13 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   """Trains (or resumes) and exports the drafter `c` describes (a TrainSettings;
   `TrainSettings.of(config)` reads a training config)."""
   require(c, TrainSettings, "training.run.run")
-  c.check()  # an unknown method or a field out of range: ValueError before any work
-  distill_data.check_selection(valid_sequences=c.valid_sequences,
-                               train_positions=c.train_positions, train_order=c.train_order)
+  _check(c)
   progress = progress or (lambda s: print(s, flush=True))
   t_start = time.perf_counter()
   model = _target(c)
-  # Inputs read only after the data and its features (minutes to hours) are checked first.
+  # read only after the data and its features (minutes to hours): checked first
   if c.init_from:
     checkpoints.load_drafter(c.init_from, model.params, model.cfg, method=c.method)
-  if c.valid_ids_path and not os.path.isfile(c.valid_ids_path):
-    raise FileNotFoundError(f"valid_ids_path={c.valid_ids_path!r}: no such file (a JSON list "
-                            "of the held-out records' ids)")
   os.makedirs(c.workdir, exist_ok=True)
   train_seqs, valid_seqs, grown_seqs, _ = _data(c, model, progress)
   if c.method in ("eagle", "eagle3"):
@@ -80,6 +75,17 @@ def run(c: TrainSettings, progress: Optional[Callable[[str], None]] = None,
   if c.method == "draft_model":
     return _run_draft_model(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
   return _run_medusa(c, model, train_seqs, valid_seqs, progress, stop_after, t_start)
+
+
+def _check(c: TrainSettings) -> None:
+  """Settings a run reads late, refused before any work: a field out of
+  range, an unknown method or train_order, a missing validation-ids file."""
+  c.check()
+  distill_data.check_selection(valid_sequences=c.valid_sequences,
+                               train_positions=c.train_positions, train_order=c.train_order)
+  if c.valid_ids_path and not os.path.isfile(c.valid_ids_path):
+    raise FileNotFoundError(f"valid_ids_path={c.valid_ids_path!r}: no such file (a JSON list "
+                            "of the held-out records' ids)")
 
 
 def _data(c: TrainSettings, model: Model, progress):
@@ -136,6 +142,7 @@ def estimate_checkpoints(c: TrainSettings, paths, *, skip_records: int = 0,
   training reads it (a config with num_examples > 0 would first generate
   what the file lacks). -> [(path, estimate)]"""
   require(c, TrainSettings, "training.run.estimate_checkpoints")
+  _check(c)
   progress = progress or (lambda s: print(s, flush=True))
   model = _target(c)
   cfg = model.cfg

@@ -13,7 +13,9 @@ import dataclasses
 import numbers
 from typing import Any, Dict, Optional, Tuple
 
-from specjax.settings import RunSettings, require_real, require_whole
+from specjax.checks import require_real, require_whole
+from specjax.errors import ConfigValueError
+from specjax.settings import RunSettings
 
 METHODS = ("medusa", "eagle", "eagle3", "draft_model")
 
@@ -100,7 +102,7 @@ class TrainSettings(RunSettings):
   num_heads: int = 4
   decay: float = 0.8  # Medusa heads / EAGLE unrolled step s: loss weight decay**s
   batch_positions: int = 128
-  valid_max_positions: int = 4096
+  valid_max_positions: int = 4096  # validation positions (0: all)
   # EAGLE / EAGLE-3 head (draft_vocab also the draft model's and Medusa's)
   draft_vocab: int = 0  # 0: the full vocabulary; else the N most frequent answer tokens
   ttt_steps: int = 1  # unrolled steps (EAGLE-3's training-time test)
@@ -138,14 +140,14 @@ class TrainSettings(RunSettings):
   window: int = 128
   batch_windows: int = 4
   eval_k: int = 4  # EAGLE(-3), draft model: the tau estimate's chain length
-  valid_max_windows: int = 48  # validation windows ('sequence': whole sequences)
+  valid_max_windows: int = 48  # validation windows ('sequence': whole sequences; 0: all)
   train_eval_sequences: int = 0  # > 0: also the final estimate on this many training ones
   # distilled draft model
   draft_layers: int = 4
   init_layers: str = ""  # '' = the target's first draft_layers layers; else e.g. '0,1,2,29'
   loss: str = "kl"  # kl | tv | kl+tv against the target's T = 1 distributions
   batch_seqs: int = 4
-  valid_max_seqs: int = 32
+  valid_max_seqs: int = 32  # validation sequences (0: all)
   # the exported weights' dtype (loading casts them to the target's dtype)
   store_dtype: str = "bfloat16"
   export: str = ""  # the exported drafter checkpoint ('': none)
@@ -163,7 +165,8 @@ class TrainSettings(RunSettings):
     before any work: a negative count or a NaN learning rate otherwise ran,
     silently, as something else)."""
     if self.method not in METHODS:
-      raise ValueError(f"unknown drafter to train {self.method!r} (known: {', '.join(METHODS)})")
+      raise ConfigValueError(f"unknown drafter to train {self.method!r} (known: "
+                             f"{', '.join(METHODS)})")
     for names, low in ((_AT_LEAST_ONE, 1), (_AT_LEAST_ZERO, 0)):
       for name in names:
         require_whole(name, getattr(self, name), low)
@@ -172,7 +175,7 @@ class TrainSettings(RunSettings):
     if self.head_init_layer is not None and (
         isinstance(self.head_init_layer, bool)
         or not isinstance(self.head_init_layer, numbers.Integral)):
-      raise ValueError(f"head_init_layer must be a layer index or None, got "
+      raise ConfigValueError(f"head_init_layer must be a layer index or None, got "
                        f"{self.head_init_layer!r}")
 
   def config(self) -> Dict[str, Any]:
@@ -185,12 +188,13 @@ class TrainSettings(RunSettings):
 _AT_LEAST_ONE = ("max_new_tokens", "max_prompt_tokens", "gen_batch_size", "long_prompt_tokens",
                  "long_seq_len", "seq_len", "feature_batch", "steps", "eval_every", "save_every",
                  "log_every", "processes", "num_heads", "batch_positions",
-                 "valid_max_positions", "ttt_steps", "head_layers", "batch_tokens", "window",
-                 "batch_windows", "eval_k", "valid_max_windows", "draft_layers", "batch_seqs",
-                 "valid_max_seqs")
+                 "ttt_steps", "head_layers", "batch_tokens", "window", "batch_windows",
+                 "eval_k", "draft_layers", "batch_seqs")
+# (0 means: all / none / off / the default, as each field's comment says)
 _AT_LEAST_ZERO = ("num_examples", "valid_sequences", "train_positions", "seed",
                   "reference_examples", "long_reference_examples", "warmup", "patience",
-                  "local_devices", "draft_vocab", "teacher_top_k", "train_eval_sequences")
+                  "local_devices", "draft_vocab", "teacher_top_k", "train_eval_sequences",
+                  "valid_max_positions", "valid_max_windows", "valid_max_seqs")
 # (name, low, high or None, low excluded, high excluded)
 _REALS = (("lr", 0.0, None, True, False), ("weight_decay", 0.0, None, False, False),
           ("clip", 0.0, None, True, False), ("epochs", 0.0, None, False, False),
