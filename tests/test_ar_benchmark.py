@@ -1,6 +1,7 @@
 """Smoke tests of the AR benchmark's pieces: the figures are sane (finite,
 positive, consistent) -- never "fast enough": no timing thresholds anywhere."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -13,6 +14,7 @@ import pytest
 from specjax.analysis import roofline
 from specjax.benchmarks import ar
 from specjax.benchmarks import report
+from specjax.errors import ConfigValueError
 from specjax.io.load import Model
 from specjax.models import transformer
 from specjax.models.config import tiny_config
@@ -108,6 +110,13 @@ def test_ar_benchmark_takes_its_settings_dataclass():
   assert (q.max_new_tokens, q.batch_sizes, q.peers, q.dtype) == (16, (1,), False, "bfloat16")
   with pytest.raises(TypeError, match="ARBenchmarkSettings"):
     ar.run_ar_benchmark(get_config("quick+nopeers"), prompt_ids=[1, 5, 9])
+  # out of range: refused by name before the bandwidth probe and any model
+  for fields, match in ((dict(bandwidth_gib=-1.0), r"bandwidth_gib must be .* \(0, inf\)"),
+                        (dict(batch_sizes=(1, 0)), "batch_sizes must be a whole number >= 1"),
+                        (dict(batch_sizes=()), "no batch sizes"),
+                        (dict(repeats=0), "repeats must be a whole number >= 1")):
+    with pytest.raises(ConfigValueError, match=match):
+      ar.run_ar_benchmark(dataclasses.replace(q, **fields), prompt_ids=[1, 5, 9])
 
 
 # --- the benchmark on a tiny random model -------------------------------------------------

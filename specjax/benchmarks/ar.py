@@ -31,7 +31,9 @@ from specjax import runner
 from specjax import sampling as sampling_lib
 from specjax.analysis import roofline
 from specjax.benchmarks import report
+from specjax.checks import require_real, require_whole
 from specjax.decoding import autoregressive
+from specjax.errors import ConfigValueError
 from specjax.io.load import Model, load_model
 from specjax.peers import hf  # imports torch / transformers only when used
 from specjax.settings import RunSettings, require
@@ -124,9 +126,15 @@ def run_ar_benchmark(c: ARBenchmarkSettings, model: Optional[Model] = None,
   require(c, ARBenchmarkSettings, "ar.run_ar_benchmark")
   log = log or (lambda line: None)
   t_start = time.perf_counter()
+  require_whole("repeats", c.repeats, 1)
+  require_whole("max_new_tokens", c.max_new_tokens, 1)
+  require_real("bandwidth_gib", c.bandwidth_gib, 0.0, low_open=True,
+               why="the read-bandwidth probe's size")
+  if not c.batch_sizes:
+    raise ConfigValueError("batch_sizes: no batch sizes (e.g. (1, 4, 16))")
+  for b in c.batch_sizes:
+    require_whole("batch_sizes", b, 1)
   repeats, new = int(c.repeats), int(c.max_new_tokens)
-  if repeats < 1:
-    raise ValueError(f"repeats must be >= 1, got {repeats}")
   batch_sizes = [int(b) for b in c.batch_sizes]
   if c.peers and 1 not in batch_sizes:
     batch_sizes = [1] + batch_sizes  # the peer is compared at B=1
