@@ -136,4 +136,3 @@ def require(settings, cls, entry_point: str):
     raise TypeError(f"{entry_point} takes a {cls.__name__} ({cls.__name__}.of(config) reads a "
                     f"run config), got {type(settings).__name__}")
   return settings
-

@@ -37,6 +37,9 @@ class MatrixSettings(RunSettings):
   out: str = ""  # a JSON file of the rows (written by experiments/exactness.py; '': none)
 
 
+DRAFTERS = ("draft_model", "layer_skip", "prompt_lookup", "lookahead")
+
+
 def make_tiny_drafter(name: str, k: int, dcfg):
   """Drafters that run on the tiny pair (the draft model samples at T = 1)."""
   from specjax.drafters.draft_model import DraftModel  # pylint: disable=import-outside-toplevel
@@ -54,9 +57,6 @@ def make_tiny_drafter(name: str, k: int, dcfg):
     from specjax.drafters.lookahead import Lookahead  # pylint: disable=import-outside-toplevel
     return Lookahead(k=k), False
   raise ValueError(f"unknown drafter {name!r} ({', '.join(DRAFTERS)})")
-
-
-DRAFTERS = ("draft_model", "layer_skip", "prompt_lookup", "lookahead")
 
 
 def parse_samplings(spec: str):

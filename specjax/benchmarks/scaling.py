@@ -77,11 +77,13 @@ def sizes(c: ScalingSettings) -> List[int]:
 def check(c: ScalingSettings) -> None:
   """ConfigValueError naming the first setting of `c` out of its range."""
   sizes(c)
-  for name, low in (("seeds", 1), ("seeds_below", 0), ("valid_sequences", 1),
-                    ("train_eval_sequences", 0), ("patience", 1), ("eval_every", 1),
-                    ("eval_k", 1), ("bench_k", 1), ("bench_prompt_limit", 0),
+  for name, low in (("seeds", 1), ("seeds_below", 0), ("train_eval_sequences", 0),
+                    ("eval_every", 1), ("eval_k", 1), ("bench_k", 1), ("bench_prompt_limit", 0),
                     ("bench_max_new_tokens", 1)):
     require_whole(name, getattr(c, name), low)
+  require_whole("valid_sequences", c.valid_sequences, 1,
+                "every point is measured on one stratified held-out set")
+  require_whole("patience", c.patience, 1, "every point trains to its early stop")
   require_real("epochs", c.epochs, 0.0, low_open=True,
                why="an upper bound: each point stops early")
 

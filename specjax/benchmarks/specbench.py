@@ -492,8 +492,10 @@ def check_counts(c: BenchmarkSettings) -> None:
   start, `run_benchmark` again."""
   for name, low in (("repeats", 1), ("batch_size", 1), ("max_new_tokens", 1),
                     ("prompt_limit", 0), ("processes", 1), ("local_devices", 0)):
-    if getattr(c, name) is not None or name != "prompt_limit":  # prompt_limit None: all
-      require_whole(name, getattr(c, name), low)
+    value = getattr(c, name)
+    if name == "prompt_limit" and value is None:  # None: every question
+      continue
+    require_whole(name, value, low)
 
 
 def run_benchmark(c: BenchmarkSettings, model: Optional[Model] = None,

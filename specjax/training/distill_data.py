@@ -336,8 +336,8 @@ def round_robin(records: Sequence[dict]) -> List[dict]:
 
 def check_selection(*, valid_sequences: int = 0, train_positions: int = 0,
                     train_order: str = "file") -> None:
-  """ValueError naming the setting if `select` would refuse these (or, for a
-  negative count, silently misread them): callable before the data exists."""
+  """ConfigValueError naming the setting if `select` would refuse these (or,
+  for a negative count, silently misread them): callable before the data exists."""
   if train_order not in TRAIN_ORDERS:
     raise ConfigValueError(f"unknown train_order {train_order!r} (known: "
                            f"{', '.join(TRAIN_ORDERS)})")

@@ -161,9 +161,9 @@ class TrainSettings(RunSettings):
     return SHARED_FIELDS + METHOD_FIELDS[method] + ("export",)
 
   def check(self) -> None:
-    """ValueError naming the first field out of its range (`run.run` calls it
-    before any work: a negative count or a NaN learning rate otherwise ran,
-    silently, as something else)."""
+    """ConfigValueError (a ValueError) naming the first field out of its range
+    (`run.run` calls it before any work: a negative count or a NaN learning
+    rate otherwise ran, silently, as something else)."""
     if self.method not in METHODS:
       raise ConfigValueError(f"unknown drafter to train {self.method!r} (known: "
                              f"{', '.join(METHODS)})")
@@ -176,7 +176,7 @@ class TrainSettings(RunSettings):
         isinstance(self.head_init_layer, bool)
         or not isinstance(self.head_init_layer, numbers.Integral)):
       raise ConfigValueError(f"head_init_layer must be a layer index or None, got "
-                       f"{self.head_init_layer!r}")
+                             f"{self.head_init_layer!r}")
 
   def config(self) -> Dict[str, Any]:
     """{field: value} of this run's method's config fields (the exported
