@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import List, Optional
 
 from specjax.errors import ConfigValueError
 
@@ -33,3 +34,26 @@ def require_real(name: str, value, low: float, high=None, *, low_open: bool = Fa
     raise ConfigValueError(f"{name} must be a finite number in {where}, got {value!r}"
                            + (f" ({why})" if why else ""))
   return value
+
+
+def require_whole_list(name: str, spec, low: int = 1, high: Optional[int] = None,
+                       why: str = "") -> List[int]:
+  """The comma-separated whole numbers of `spec` (blanks skipped, '_' allowed
+  as in '46_000'), each >= `low` (and <= `high`); else ConfigValueError
+  naming the setting and the item (+ `why`)."""
+  out = []
+  for item in (s.strip() for s in str(spec).split(",")):
+    if not item:
+      continue
+    try:
+      value = int(item.replace("_", ""))
+    except ValueError:
+      value = None
+    if value is None or value < low or (high is not None and value > high):
+      raise ConfigValueError(f"{name}={spec!r}: {item!r} is not a whole number >= {low}"
+                             + (f" and <= {high}" if high is not None else "")
+                             + (f" ({why})" if why else ""))
+    out.append(value)
+  if not out:
+    raise ConfigValueError(f"{name}={spec!r}: no {name}" + (f" ({why})" if why else ""))
+  return out

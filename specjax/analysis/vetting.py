@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Optional
 
 import numpy as np
 
 from specjax import sampling as sampling_lib
 from specjax.analysis import exactness
 from specjax.analysis import montecarlo
-from specjax.checks import require_real, require_whole
+from specjax.checks import require_real, require_whole, require_whole_list
 from specjax.errors import ConfigValueError
 from specjax.settings import RunSettings, require
 
@@ -78,19 +77,6 @@ def parse_samplings(spec: str):
   return out
 
 
-def _counts(name: str, spec: str, high: Optional[int] = None) -> list:
-  """A comma-separated list of whole numbers >= 1 (and <= high), else
-  ConfigValueError naming the setting."""
-  try:
-    out = [int(x) for x in str(spec).split(",")]
-  except ValueError:
-    out = []
-  if not out or any(x < 1 or (high is not None and x > high) for x in out):
-    raise ConfigValueError(f"{name}={spec!r}: expected comma-separated whole numbers >= 1"
-                           + (f" and <= {high}" if high is not None else ""))
-  return out
-
-
 def check(c: MatrixSettings) -> tuple:
   """The matrix's (drafters, samplings, ks, batch sizes), every setting
   checked before the tiny pair is built (ConfigValueError naming the first bad one)."""
@@ -102,8 +88,8 @@ def check(c: MatrixSettings) -> tuple:
   require_whole("num_tokens", c.num_tokens, 1)
   require_whole("seed", c.seed, 0)
   require_real("family_alpha", c.family_alpha, 0.0, 1.0, low_open=True, high_open=True)
-  return (drafters, parse_samplings(c.samplings), _counts("ks", c.ks),
-          _counts("batch_sizes", c.batch_sizes, len(PROMPTS)))
+  return (drafters, parse_samplings(c.samplings), require_whole_list("ks", c.ks),
+          require_whole_list("batch_sizes", c.batch_sizes, 1, len(PROMPTS)))
 
 
 def run_matrix(c: MatrixSettings, log=print) -> list:

@@ -423,8 +423,8 @@ def run_peers(c: PeersSettings, model: Optional[Model] = None,
   t_start = time.perf_counter()
   commit = report.git_commit()
   progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-  for name, low in (("repeats", 1), ("max_new_tokens", 1), ("prompt_limit", 0),
-                    ("threads", 0), ("llamacpp_ctx", 1), ("lookup_k", 1)):
+  for name, low in (("repeats", 1), ("max_new_tokens", 1), ("threads", 0),
+                    ("llamacpp_ctx", 1), ("lookup_k", 1)):  # prompt_limit: load_questions
     require_whole(name, getattr(c, name), low)
   repeats = int(c.repeats)
   if c.hf and not hf.available():

@@ -24,9 +24,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from specjax.benchmarks import questions, specbench
-from specjax.checks import require_real, require_whole
+from specjax.checks import require_real, require_whole, require_whole_list
 from specjax.drafters import registry
-from specjax.errors import ConfigValueError
 from specjax.io import jsonl
 from specjax.settings import RunSettings, require
 from specjax.training import distill_data, run as train_run
@@ -61,21 +60,8 @@ class ScalingSettings(RunSettings):
 
 def sizes(c: ScalingSettings) -> List[int]:
   """The comma-separated `sizes`, each a whole number of positions >= 1."""
-  out = []
-  for s in str(c.sizes).split(","):
-    if not s.strip():
-      continue
-    try:
-      size = int(s.strip().replace("_", ""))
-    except ValueError:
-      size = 0
-    if size < 1:
-      raise ConfigValueError(f"sizes={c.sizes!r}: {s.strip()!r} is not a whole number of "
-                             "training answer positions >= 1 (e.g. '100000,300000')")
-    out.append(size)
-  if not out:
-    raise ConfigValueError(f"sizes={c.sizes!r}: no sizes (e.g. '100000,300000')")
-  return out
+  return require_whole_list("sizes", c.sizes,
+                            why="training answer positions, e.g. '100000,300000'")
 
 
 def check(c: ScalingSettings) -> None:
