@@ -36,13 +36,16 @@ def test_report_writes_the_table_fit_and_plot(tmp_path):
            "bench": {"all": {"tau": t, "alpha": 0.3}, "qa": {"tau": t - 0.1, "alpha": 0.2}},
            "bench_tau": t} for n, t in ((100000, 1.4), (300000, 1.6))]
   rows[1]["valid_tau_rounds"] = 1.45  # points logged before tau_rounds show "-"
+  rows[1]["train_positions"] = 278665  # a size above the data trains on all of it
   with open(tmp_path / "points.jsonl", "w") as f:
     f.write("".join(json.dumps(r) + "\n" for r in rows))
   out = scaling.report(c)
   md = open(tmp_path / "scaling.md").read()
-  assert "| 100,000 | 0 | 10 (8) | 1.500 | - | 1.900 | 0.400 | 0.300 | 1.400 | 1.300 |" in md
-  assert "| 300,000 | 0 | 10 (8) | 1.500 | 1.450 | 1.900 |" in md
-  assert "per doubling" in md and out["fit"]["b"] > 0
+  assert "| 100,000 | - | 0 | 10 (8) | 1.500 | - | 1.900 | 0.400 | 0.300 | 1.400 | 1.300 |" in md
+  assert "| 300,000 | 278,665 | 0 | 10 (8) | 1.500 | 1.450 | 1.900 |" in md
+  # the fit runs on the positions trained on, the requested size where none is logged
+  assert abs(out["fit"]["b"] - 0.2 / math.log(278665 / 100000)) < 1e-9
+  assert "per doubling" in md
   assert os.path.getsize(tmp_path / "scaling.png") > 1000
 
 
