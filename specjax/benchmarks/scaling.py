@@ -197,13 +197,14 @@ def report(c: ScalingSettings) -> dict:
   rows = sorted(jsonl.read(log) if os.path.exists(log) else [],
                 key=lambda r: (r["positions"], r["seed"]))
   cats = sorted({k for r in rows for k in r["bench"]} - {specbench.ALL})
-  head = (["positions", "trained on", "seed", "steps (best)", "valid tau (est.)", "valid tau (rounds)",
-           "train tau (est.)"] +
+  head = (["positions (requested)", "trained on", "seed", "steps (best)", "valid tau (est.)",
+           "valid tau (rounds)", "train tau (est.)"] +
           [f"top1 d{s + 1}" for s in range(c.eval_k)] + ["Spec-Bench tau"] + cats)
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     cells = [f"{r['positions']:,}",
-             f"{r['train_positions']:,}" if r.get("train_positions") else "-", str(r["seed"]), f"{r['steps']} ({r['best_step']})",
+             f"{r['train_positions']:,}" if r.get("train_positions") else "-", str(r["seed"]),
+             f"{r['steps']} ({r['best_step']})",
              f"{r['valid_tau']:.3f}",
              f"{r['valid_tau_rounds']:.3f}" if r.get("valid_tau_rounds") else "-",
              f"{r['train_tau']:.3f}"]
@@ -215,7 +216,8 @@ def report(c: ScalingSettings) -> dict:
   md = "\n".join(lines) + "\n"
   if f:
     md += (f"\nLog-linear fit of the measured Spec-Bench tau: tau = {f['a']:.3f} + "
-           f"{f['b']:.3f} ln(positions trained on), {f['per_doubling']:+.3f} per doubling of the data; "
+           f"{f['b']:.3f} ln(positions trained on), {f['per_doubling']:+.3f} per doubling of the "
+           "data; "
            f"predicted at 1M: {f['a'] + f['b'] * math.log(1e6):.2f}, at 3M: "
            f"{f['a'] + f['b'] * math.log(3e6):.2f}, at 10M: "
            f"{f['a'] + f['b'] * math.log(1e7):.2f}.\n")
