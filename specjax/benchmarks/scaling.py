@@ -217,8 +217,7 @@ def report(c: ScalingSettings) -> dict:
   if f:
     md += (f"\nLog-linear fit of the measured Spec-Bench tau: tau = {f['a']:.3f} + "
            f"{f['b']:.3f} ln(positions trained on), {f['per_doubling']:+.3f} per doubling of the "
-           "data; "
-           f"predicted at 1M: {f['a'] + f['b'] * math.log(1e6):.2f}, at 3M: "
+           f"data; predicted at 1M: {f['a'] + f['b'] * math.log(1e6):.2f}, at 3M: "
            f"{f['a'] + f['b'] * math.log(3e6):.2f}, at 10M: "
            f"{f['a'] + f['b'] * math.log(1e7):.2f}.\n")
   with open(os.path.join(c.out, "scaling.md"), "w") as fh:
