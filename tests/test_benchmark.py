@@ -20,6 +20,7 @@ from specjax.benchmarks import questions
 from specjax.benchmarks import specbench
 from specjax.drafters import registry
 from specjax.drafters import settings as drafter_settings
+from specjax.errors import ConfigValueError
 
 pytestmark = pytest.mark.slow
 
@@ -291,6 +292,11 @@ def test_paper_tables_end_to_end(smollm2_short, tmp_path):
   assert exp[-1]["measured_tokens"] >= exp[0]["measured_tokens"] >= 1.0
   with pytest.raises(ValueError, match="unknown table"):
     paper_tables.run(dataclasses.replace(c, tables="nope"), model=smollm2_short)
+  # a malformed list is refused by name before any table runs (model=None: none could)
+  for field, bad in (("ks", "1,x"), ("ks", "0"), ("ks", ""), ("batch_sizes", "1,-2"),
+                     ("batch_sizes", "2.5")):
+    with pytest.raises(ConfigValueError, match=f"{field}="):
+      paper_tables.run(dataclasses.replace(c, **{field: bad}), model=None)
 
 
 def _as_bfloat16(model):

@@ -147,6 +147,10 @@ def test_cost_table_states_verify_times_by_context_length(tmp_path):
   for bad in ("512,x", "0", "-3"):
     with pytest.raises(ConfigValueError, match="verify_contexts"):
       invariance.run(_config(tmp_path, parts="cost", verify_contexts=bad), progress=lambda s: None)
+  assert invariance._batches(_config(tmp_path, verify_batches="4, 1,4")) == [4, 1]  # pylint: disable=protected-access
+  for bad in ("1,x", "0", "", "1,-4"):  # refused by name before any model loads
+    with pytest.raises(ConfigValueError, match="verify_batches="):
+      invariance.run(_config(tmp_path, parts="cost", verify_batches=bad), progress=lambda s: None)
 
 
 @pytest.mark.slow

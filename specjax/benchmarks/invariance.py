@@ -59,7 +59,7 @@ from specjax.analysis import bitwise
 from specjax.benchmarks import questions as questions_lib
 from specjax.benchmarks import report
 from specjax.benchmarks import specbench
-from specjax.checks import require_whole
+from specjax.checks import require_whole, require_whole_list
 from specjax.decoding import autoregressive as ar
 from specjax.decoding import speculative as sp
 from specjax.drafters import registry
@@ -428,7 +428,9 @@ def _tiles(c: InvarianceSettings) -> List[int]:
 
 
 def _batches(c: InvarianceSettings) -> List[int]:
-  return [int(b) for b in str(c.verify_batches).split(",") if b]
+  """The cost part's batch sizes for t_verify(k + 1), distinct, each >= 1."""
+  return list(dict.fromkeys(require_whole_list("verify_batches", c.verify_batches, 1,
+                                               why="the cost part's verify batch sizes")))
 
 
 def _contexts(c: InvarianceSettings) -> List[int]:
@@ -551,6 +553,7 @@ def run(c: InvarianceSettings, progress: Optional[Callable[[str], None]] = None)
     require_whole(name, getattr(c, name), low)
   if "cost" in parts:
     _contexts(c)  # a malformed list fails before any model loads
+    _batches(c)
   bitwise_rows = bitwise_check(c, progress) if "bitwise" in parts else None
   speedup_rows = speedup(c, progress) if "speedup" in parts else None
   cost_rows = cost(c, progress) if "cost" in parts else None

@@ -35,6 +35,7 @@ from specjax import distributed
 from specjax.analysis import theory
 from specjax.benchmarks import report
 from specjax.benchmarks import specbench
+from specjax.checks import require_whole_list
 from specjax.drafters import registry
 from specjax.settings import require
 
@@ -67,6 +68,17 @@ def _sub(c: PaperTablesSettings, out: str, **fields) -> specbench.BenchmarkSetti
 
 def _methods(c: PaperTablesSettings) -> List[str]:
   return report.comma_list(c.methods)
+
+
+def _ks(c: PaperTablesSettings) -> List[int]:
+  """gamma's draft lengths, distinct, each >= 1."""
+  return list(dict.fromkeys(require_whole_list("ks", c.ks, 1, why="gamma's draft lengths")))
+
+
+def _batch_sizes(c: PaperTablesSettings) -> List[int]:
+  """batch's batch sizes, distinct, each >= 1."""
+  return list(dict.fromkeys(require_whole_list("batch_sizes", c.batch_sizes, 1,
+                                               why="batch's batch sizes")))
 
 
 def _overall(results) -> Dict[str, dict]:
@@ -207,7 +219,7 @@ def specbench_table(c: PaperTablesSettings, model=None, progress=None) -> dict:
 def gamma(c: PaperTablesSettings, model=None, progress=None) -> dict:
   require(c, PaperTablesSettings, "paper_tables.gamma")
   out = os.path.join(c.out, "gamma")
-  ks = [int(k) for k in str(c.ks).split(",")]
+  ks = _ks(c)
   rows = []
   for m in _methods(c):
     sub = _sub(c, os.path.join(out, m.replace("@", "_")),
@@ -249,7 +261,7 @@ def gamma(c: PaperTablesSettings, model=None, progress=None) -> dict:
 def batch(c: PaperTablesSettings, model=None, progress=None) -> dict:
   require(c, PaperTablesSettings, "paper_tables.batch")
   out = os.path.join(c.out, "batch")
-  sizes = [int(b) for b in str(c.batch_sizes).split(",")]
+  sizes = _batch_sizes(c)
   rows = []
   for b in sizes:
     sub = _sub(c, os.path.join(out, f"B{b}"), batch_size=b,
@@ -334,6 +346,10 @@ def run(c: PaperTablesSettings, model=None, progress=None) -> Dict[str, dict]:
       raise ValueError(f"unknown table {name!r}; tables: {', '.join(TABLES)}")
   for m in _methods(c):
     registry.parse_method(m)  # fail before any work on a malformed method
+  if "gamma" in names:
+    _ks(c)  # likewise a malformed list, before the tables before it run
+  if "batch" in names:
+    _batch_sizes(c)
   return {name: _TABLE_FNS[name](c, model=model, progress=progress) for name in names}
 
 
