@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -123,6 +124,39 @@ def test_bad_warm_start_or_data_selection_refused_before_the_data(trained, tmp_p
       run.run(dataclasses.replace(c, workdir=str(wd), export="", **fields), progress=said.append)
     assert not wd.exists()
   assert not said, said  # nothing ran: no data, no features
+
+
+class _PoolsBuilt(Exception):
+  """Raised where a run would start the head: its feature pools are built."""
+
+
+def test_eagle_training_reads_an_eagle3_runs_feature_shards(tmp_path, load_config, monkeypatch):
+  """EAGLE reads no taps: an EAGLE-3 run's cached shards of the same data (they
+  hold the final features and the teacher top-K too) serve its training and
+  validation pools, none computed again."""
+  monkeypatch.setattr(run, "_feature_cache", lambda c: str(tmp_path / "features"))  # tiny: none
+
+  def stop(*args, **kwargs):
+    raise _PoolsBuilt
+
+  monkeypatch.setattr(eagle, "init_head", stop)
+  said = {}
+  for name in ("eagle3", "eagle"):
+    c = TrainSettings.of(load_config(f"{name}.py", "tiny", workdir=tmp_path / name, export=""))
+    said[name] = []
+    with pytest.raises(_PoolsBuilt):
+      run.run(c, progress=said[name].append)
+
+  def counts(lines):
+    """[(shards loaded, shards computed)] of each pool the run built."""
+    return [tuple(int(x) for x in m.groups()) for m in
+            (re.search(r"/(\d+) sequences \((\d+) shards loaded, (\d+) computed", l)
+             for l in lines) if m]
+
+  first, second = counts(said["eagle3"]), counts(said["eagle"])
+  assert first and all(loaded == 0 and computed > 0 for _, loaded, computed in first), first
+  assert ([n for n, _, _ in second] == [n for n, _, _ in first]
+          and all(computed == 0 for _, _, computed in second)), (first, second)
 
 
 def test_killed_eagle3_run_resumes_to_identical_parameters(trained, load_config):

@@ -429,9 +429,11 @@ def _run_eagle(c: TrainSettings, model: Model, train_seqs, valid_seqs, progress,
   t0 = time.perf_counter()
 
   def seq_pool(seqs, seq_len, prog=None):
+    # EAGLE reads no taps: an EAGLE-3 run's shards of the same sequences serve it
     return eagle_train.SeqPool.build(model.params, cfg, seqs, seq_len=seq_len, taps=taps,
                                      top_k=c.teacher_top_k, batch_size=c.feature_batch,
-                                     progress=prog, cache_dir=_feature_cache(c))
+                                     progress=prog, cache_dir=_feature_cache(c),
+                                     reuse_taps=() if taps else (eagle.eagle3_layers(cfg),))
 
   short = list(train_seqs) + [s for s in grown_seqs if len(s[0]) <= c.seq_len]
   long = [s for s in grown_seqs if len(s[0]) > c.seq_len]
