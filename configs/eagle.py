@@ -97,6 +97,16 @@ def get_config(arg=None, method="eagle"):
                                               "valid_ids.json"),
                   workdir=c.workdir[:-len("_ref8k")] + "_ref8k_grown",
                   export=c.export + "_grown"))
+  elif arg == "reduced_distill":  # every self-distilled answer of the data file but the
+    # scaling work's 200 validation ids (the curve's 300,000 point: 278,665 answer
+    # positions, code included), the loss on answers, 4 epochs; the shipped EAGLE head
+    c = get_config("reduced", method)
+    c.update(dict(num_examples=0, train_positions=300_000, epochs=4.0, patience=10,
+                  eval_every=100, save_every=100, valid_max_windows=200,
+                  train_eval_sequences=200,
+                  valid_ids_path=os.path.join(_REPO, "experiments", "results", "scaling",
+                                              "valid_ids.json"),
+                  workdir=c.workdir + "_distill"))
   elif arg == "reduced_dropout":  # + dropout 0.1 on the fused target features
     c = get_config("reduced", method)
     c.update(dict(feature_dropout=0.1, workdir=c.workdir + "_drop", export=c.export + "_drop"))
@@ -111,6 +121,6 @@ def get_config(arg=None, method="eagle"):
     raise ValueError(f"unknown variant {arg!r} of configs/{method}.py "
                      "(known: tiny, reduced, reduced_init, reduced_nocode, reduced_nocode_rr, reduced_wd, reduced_nocode_wd, "
                      "reduced_seq, reduced_nocode_seq, reduced_nocode_seq_ref, reduced_nocode_seq_ref8k, "
-                     "reduced_nocode_seq_ref8k_grown, "
+                     "reduced_nocode_seq_ref8k_grown, reduced_distill, "
                      "reduced_dropout, tiny_reduced; any of them + _l2: a 2-layer head)")
   return c
