@@ -97,9 +97,10 @@ def get_config(arg=None, method="eagle"):
                                               "valid_ids.json"),
                   workdir=c.workdir[:-len("_ref8k")] + "_ref8k_grown",
                   export=c.export + "_grown"))
-  elif arg == "reduced_distill":  # every self-distilled answer of the data file but the
-    # scaling work's 200 validation ids (the curve's 300,000 point: 278,665 answer
-    # positions, code included), the loss on answers, 4 epochs; the shipped EAGLE head
+  elif arg == "reduced_distill":  # the self-distilled data file's 300,000-answer-token
+    # prefix without the scaling work's 200 validation ids (the curve's 300,000 point:
+    # 1,779 records, code included, 278,665 answer positions within the 384-token
+    # sequences), the loss on answers, 4 epochs; the shipped EAGLE head
     c = get_config("reduced", method)
     c.update(dict(num_examples=0, train_positions=300_000, epochs=4.0, patience=10,
                   eval_every=100, save_every=100, valid_max_windows=200,
