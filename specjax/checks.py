@@ -37,10 +37,11 @@ def require_real(name: str, value, low: float, high=None, *, low_open: bool = Fa
 
 
 def require_whole_list(name: str, spec, low: int = 1, high: Optional[int] = None,
-                       why: str = "") -> List[int]:
+                       why: str = "", distinct: bool = False) -> List[int]:
   """The comma-separated whole numbers of `spec` (blanks skipped, '_' allowed
   as in '46_000'), each >= `low` (and <= `high`); else ConfigValueError
-  naming the setting and the item (+ `why`)."""
+  naming the setting and the item (+ `why`). distinct: repeats dropped, the
+  first kept in place."""
   out = []
   for item in (s.strip() for s in str(spec).split(",")):
     if not item:
@@ -56,4 +57,4 @@ def require_whole_list(name: str, spec, low: int = 1, high: Optional[int] = None
     out.append(value)
   if not out:
     raise ConfigValueError(f"{name}={spec!r}: no {name}" + (f" ({why})" if why else ""))
-  return out
+  return list(dict.fromkeys(out)) if distinct else out

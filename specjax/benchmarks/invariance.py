@@ -417,20 +417,14 @@ def _modes(c: InvarianceSettings) -> List[bool]:
 
 def _tiles(c: InvarianceSettings) -> List[int]:
   """The cost part's invariant tiles (0: the precision's default), distinct."""
-  try:
-    tiles = list(dict.fromkeys(int(t) for t in str(c.tiles).split(",") if t.strip()))
-  except ValueError:
-    raise ConfigValueError(f"tiles must be comma-separated integers, got {c.tiles!r}") from None
-  if not tiles or any(not 0 <= t <= MAX_INVARIANT_TILE for t in tiles):
-    raise ConfigValueError(f"tiles must be 0 (the precision's default) or 1..{MAX_INVARIANT_TILE} "
-                           f"rows each, got {c.tiles!r}")
-  return tiles
+  return require_whole_list("tiles", c.tiles, 0, MAX_INVARIANT_TILE,
+                            why="0: the precision's default, else rows", distinct=True)
 
 
 def _batches(c: InvarianceSettings) -> List[int]:
   """The cost part's batch sizes for t_verify(k + 1), distinct, each >= 1."""
-  return list(dict.fromkeys(require_whole_list("verify_batches", c.verify_batches, 1,
-                                               why="the cost part's verify batch sizes")))
+  return require_whole_list("verify_batches", c.verify_batches, 1,
+                            why="the cost part's verify batch sizes", distinct=True)
 
 
 def _contexts(c: InvarianceSettings) -> List[int]:

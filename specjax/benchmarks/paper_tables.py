@@ -72,13 +72,13 @@ def _methods(c: PaperTablesSettings) -> List[str]:
 
 def _ks(c: PaperTablesSettings) -> List[int]:
   """gamma's draft lengths, distinct, each >= 1."""
-  return list(dict.fromkeys(require_whole_list("ks", c.ks, 1, why="gamma's draft lengths")))
+  return require_whole_list("ks", c.ks, 1, why="gamma's draft lengths", distinct=True)
 
 
 def _batch_sizes(c: PaperTablesSettings) -> List[int]:
   """batch's batch sizes, distinct, each >= 1."""
-  return list(dict.fromkeys(require_whole_list("batch_sizes", c.batch_sizes, 1,
-                                               why="batch's batch sizes")))
+  return require_whole_list("batch_sizes", c.batch_sizes, 1, why="batch's batch sizes",
+                            distinct=True)
 
 
 def _overall(results) -> Dict[str, dict]:
